@@ -1,0 +1,38 @@
+# Two commands do all set-up on a fresh machine:
+#   make run    -- create .venv if missing, install, run the main job
+#   make test   -- create .venv if missing, install, run the whole test suite
+# torch is pinned here (the CPU wheel on the machine); the package metadata keeps a range.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+TORCH_PIN := torch==2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: run test lint format bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet "$(TORCH_PIN)" -e '.[dev]'
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/steadytrain plan --micro-batch-size 256 --accumulation-steps 8 --world-size 1 \
+		--base-lr 1e-3 --base-batch-size 256 --dataset-size 1281167 --epochs 90 --warmup-steps 1000
+
+test: $(STAMP)
+	$(BIN)/python -m pytest
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: $(STAMP)
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+bench: $(STAMP)
+	$(BIN)/python bench/clip.py
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info .pytest_cache .ruff_cache
