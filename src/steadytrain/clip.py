@@ -1,0 +1,302 @@
+"""Gradient clipping: one true global norm, value clipping, and per-parameter norm clipping.
+
+Global-norm clipping (Pascanu et al. 2013) computes ONE norm over every gradient element of every
+parameter and rescales all gradients by the same factor, so the direction of the update is kept.
+Value clipping clamps each element on its own. Per-parameter norm clipping rescales each tensor by
+its own norm: a different algorithm (the one Keras' ``clipnorm`` runs), named here so it is never
+mistaken for the global one.
+
+Every function here works on plain tensors, on gradients spread over several devices, and on
+DTensor gradients (FSDP2 ``fully_shard``, tensor parallel): the local shard's contribution is
+reduced over the mesh dimensions the gradient is sharded on, so every rank sees the true global
+norm. None of them synchronises with the host.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+try:  # DTensor is absent on builds without torch.distributed.
+    from torch.distributed.tensor import DTensor
+except ImportError:  # pragma: no cover - depends on the torch build
+    DTensor = None  # type: ignore[assignment,misc]
+
+__all__ = [
+    "clip_grad_global_norm_",
+    "clip_grad_per_param_norm_",
+    "clip_grad_value_",
+    "global_grad_norm",
+]
+
+Parameters = Tensor | Iterable[Tensor]
+
+
+def _grads(parameters: Parameters) -> list[Tensor]:
+    if isinstance(parameters, Tensor):
+        parameters = [parameters]
+    return [p.grad for p in parameters if p.grad is not None]
+
+
+def _is_dtensor(t: Tensor) -> bool:
+    return DTensor is not None and isinstance(t, DTensor)
+
+
+def _local(grad: Tensor) -> Tensor:
+    """The tensor this rank holds: the local shard of a DTensor, else the tensor itself."""
+    if not _is_dtensor(grad):
+        return grad
+    if any(p.is_partial() for p in grad.placements):
+        # A pending-reduction gradient has no meaningful local norm: reduce it first.
+        from torch.distributed.tensor import Replicate
+
+        grad = grad.redistribute(placements=[Replicate() if p.is_partial() else p for p in grad.placements])
+    return grad.to_local()  # under no_grad: the local tensor itself, so in-place ops reach the DTensor
+
+
+def _check_norm_type(norm_type: float) -> float:
+    norm_type = float(norm_type)
+    if not (norm_type > 0):
+        raise ValueError(f"norm_type={norm_type} is not supported: use a p > 0 (2.0 for L2) or float('inf')")
+    return norm_type
+
+
+def _shard_groups(grad: Tensor) -> tuple[dist.ProcessGroup, ...]:
+    """Process groups of the mesh dimensions along which a DTensor gradient is sharded."""
+    mesh = grad.device_mesh
+    return tuple(mesh.get_group(d) for d, p in enumerate(grad.placements) if p.is_shard())
+
+
+def _foreach_norms(tensors: list[Tensor], norm_type: float) -> list[Tensor]:
+    """Per-tensor norms accumulated in float32, one fused kernel per (device, dtype) group."""
+    by_key: dict[tuple[torch.device, torch.dtype], list[int]] = defaultdict(list)
+    for i, t in enumerate(tensors):
+        by_key[(t.device, t.dtype)].append(i)
+    out: list[Tensor | None] = [None] * len(tensors)
+    for (_, dtype), idx in by_key.items():
+        group = [tensors[i] for i in idx]
+        # Low-precision grads square into float32: an fp16 sum of squares overflows at 65504.
+        acc = torch.float32 if dtype in (torch.float16, torch.bfloat16) else None
+        for i, n in zip(idx, torch._foreach_norm(group, norm_type, dtype=acc), strict=True):
+            out[i] = n
+    return out  # type: ignore[return-value]
+
+
+def _reduce_(values: Tensor, norm_type: float, groups: Iterable[dist.ProcessGroup]) -> Tensor:
+    """Combine per-rank norms into the norm over all ranks, in place; ``values`` holds norms."""
+    groups = list(groups)
+    if not groups:
+        return values
+    if math.isinf(norm_type):
+        for g in groups:
+            dist.all_reduce(values, op=dist.ReduceOp.MAX, group=g)
+        return values
+    values.pow_(norm_type)
+    for g in groups:
+        dist.all_reduce(values, op=dist.ReduceOp.SUM, group=g)
+    return values.pow_(1.0 / norm_type)
+
+
+def _per_tensor_norms(grads: list[Tensor], norm_type: float) -> Tensor:
+    """1-D float32 tensor of each gradient's true (mesh-reduced) norm, on the first grad's device."""
+    locals_ = [_local(g) for g in grads]
+    device = locals_[0].device
+    norms = torch.stack([n.to(device, non_blocking=True) for n in _foreach_norms(locals_, norm_type)])
+    # Sharded gradients: reduce each one's partial norm over the groups it is sharded on.
+    by_groups: dict[tuple[dist.ProcessGroup, ...], list[int]] = defaultdict(list)
+    for i, g in enumerate(grads):
+        if _is_dtensor(g):
+            groups = _shard_groups(g)
+            if groups:
+                by_groups[groups].append(i)
+    for groups, idx in by_groups.items():
+        index = torch.tensor(idx, device=device)
+        norms[index] = _reduce_(norms[index], norm_type, groups)
+    return norms
+
+
+@torch.no_grad()
+def global_grad_norm(
+    parameters: Parameters, norm_type: float = 2.0, process_group: dist.ProcessGroup | None = None
+) -> Tensor:
+    """The norm of all gradients combined, as if every element were in one vector.
+
+    The p-norm is ``(sum over all grads, all elements |g|^p)^(1/p)``; ``inf`` is the largest
+    absolute element. fp16/bf16 gradients accumulate in float32. DTensor gradients (FSDP2,
+    tensor parallel) contribute their local shard and are summed over the mesh, so the value is
+    the same on every rank and for every world size. No host synchronisation.
+
+    Args:
+        parameters: a tensor or an iterable of tensors whose ``.grad`` is read. Parameters with no
+            gradient are skipped.
+        norm_type: ``p`` of the p-norm (``2.0`` for L2, ``float('inf')`` for max-abs).
+        process_group: an extra group to sum over, e.g. pipeline stages that each hold different
+            parameters. Each rank passes only its own parameters.
+
+    Returns:
+        A 0-dim float32 tensor (float64 if any gradient is float64) on the device of the first
+        gradient (``0.0`` when there is no gradient). A NaN or inf anywhere gives a non-finite
+        norm: the caller decides what to do.
+
+    Raises:
+        ValueError: ``norm_type`` is not positive.
+
+    References:
+        Pascanu, Mikolov, Bengio 2013, "On the difficulty of training recurrent neural networks".
+
+    Example:
+        >>> w = torch.nn.Parameter(torch.zeros(2)); b = torch.nn.Parameter(torch.zeros(1))
+        >>> w.grad, b.grad = torch.tensor([3.0, 4.0]), torch.tensor([12.0])
+        >>> float(global_grad_norm([w, b]))
+        13.0
+    """
+    norm_type = _check_norm_type(norm_type)
+    grads = _grads(parameters)
+    if not grads:
+        total = torch.zeros((), dtype=torch.float32)
+    else:
+        total = torch.linalg.vector_norm(_per_tensor_norms(grads, norm_type), norm_type)
+    if process_group is not None:
+        # Ranks without gradients still take part in the collective, with a zero contribution.
+        total = _reduce_(total.reshape(1), norm_type, [process_group]).reshape(())
+    return total
+
+
+def _scale_(grads: list[Tensor], coef: Tensor) -> None:
+    by_device: dict[torch.device, list[Tensor]] = defaultdict(list)
+    for g in grads:
+        local = _local(g)
+        by_device[local.device].append(local)
+    for device, group in by_device.items():
+        torch._foreach_mul_(group, coef.to(device, non_blocking=True))
+
+
+@torch.no_grad()
+def clip_grad_global_norm_(
+    parameters: Parameters,
+    max_norm: float,
+    *,
+    eps: float = 1e-6,
+    norm_type: float = 2.0,
+    process_group: dist.ProcessGroup | None = None,
+) -> Tensor:
+    """Scale every gradient by the same factor so that the global norm is at most ``max_norm``.
+
+    The factor is ``min(1, max_norm / (norm + eps))`` with ``norm`` from :func:`global_grad_norm`.
+    Ratios between gradients are unchanged (the update keeps its direction); below the threshold
+    gradients are multiplied by exactly 1 and stay bit-identical. No host synchronisation: the
+    factor stays a tensor.
+
+    Args:
+        parameters: a tensor or an iterable of tensors whose ``.grad`` is clipped in place.
+        max_norm: the largest allowed global norm.
+        eps: added to the norm so that an all-zero gradient does not divide by zero.
+        norm_type: ``p`` of the p-norm, or ``float('inf')``.
+        process_group: see :func:`global_grad_norm`.
+
+    Returns:
+        The global norm before clipping (0-dim float32 tensor).
+
+    Raises:
+        ValueError: ``max_norm`` is negative or ``norm_type`` is not positive.
+
+    References:
+        Pascanu et al. 2013; the seed's ``clip_grad_global_norm`` (``steadytrain.reference``).
+
+    Example:
+        >>> w = torch.nn.Parameter(torch.zeros(2)); b = torch.nn.Parameter(torch.zeros(1))
+        >>> w.grad, b.grad = torch.tensor([3.0, 4.0]), torch.tensor([12.0])
+        >>> float(clip_grad_global_norm_([w, b], max_norm=1.0))
+        13.0
+        >>> round(float(global_grad_norm([w, b])), 5)
+        1.0
+    """
+    if max_norm < 0:
+        raise ValueError(f"max_norm={max_norm} must be >= 0")
+    if isinstance(parameters, Tensor):
+        parameters = [parameters]
+    parameters = list(parameters)
+    norm = global_grad_norm(parameters, norm_type, process_group=process_group)
+    grads = _grads(parameters)
+    if grads:
+        coef = torch.clamp(max_norm / (norm + eps), max=1.0)
+        _scale_(grads, coef)
+    return norm
+
+
+@torch.no_grad()
+def clip_grad_value_(parameters: Parameters, clip_value: float) -> None:
+    """Clamp every gradient element to ``[-clip_value, clip_value]``, each independently.
+
+    Unlike norm clipping, this changes the direction of the update: a gradient ``[3, 4]`` beside
+    ``[12]`` clipped at 5 becomes ``[3, 4]`` and ``[5]``, so the 5:12 proportion becomes 5:5.
+
+    Args:
+        parameters: a tensor or an iterable of tensors whose ``.grad`` is clamped in place.
+        clip_value: the largest allowed absolute value of an element.
+
+    Raises:
+        ValueError: ``clip_value`` is negative.
+
+    Example:
+        >>> b = torch.nn.Parameter(torch.zeros(1)); b.grad = torch.tensor([12.0])
+        >>> clip_grad_value_([b], 5.0); b.grad
+        tensor([5.])
+    """
+    if clip_value < 0:
+        raise ValueError(f"clip_value={clip_value} must be >= 0")
+    by_device: dict[torch.device, list[Tensor]] = defaultdict(list)
+    for g in _grads(parameters):
+        local = _local(g)
+        by_device[local.device].append(local)
+    for group in by_device.values():
+        torch._foreach_clamp_min_(group, -clip_value)
+        torch._foreach_clamp_max_(group, clip_value)
+
+
+@torch.no_grad()
+def clip_grad_per_param_norm_(parameters: Parameters, max_norm: float, *, eps: float = 1e-6) -> list[Tensor]:
+    """Clip each parameter's gradient by ITS OWN L2 norm (not the global norm).
+
+    This is a different algorithm from :func:`clip_grad_global_norm_`: every tensor whose norm
+    exceeds ``max_norm`` is rescaled to ``max_norm`` on its own, so layers with large gradients
+    are shrunk while small ones are left alone, and the relative size of layers' updates changes.
+    It is what Keras' ``clipnorm`` does; it is NOT the global clipping of Pascanu et al. For
+    sharded (DTensor) gradients each parameter's norm is still its full norm.
+
+    Args:
+        parameters: a tensor or an iterable of tensors whose ``.grad`` is clipped in place.
+        max_norm: the largest allowed L2 norm of each parameter's gradient.
+        eps: added to each norm to avoid a division by zero.
+
+    Returns:
+        The pre-clip L2 norm of each gradient (0-dim float32 tensors), in parameter order,
+        parameters without a gradient omitted.
+
+    Raises:
+        ValueError: ``max_norm`` is negative.
+
+    Example:
+        >>> w = torch.nn.Parameter(torch.zeros(2)); b = torch.nn.Parameter(torch.zeros(1))
+        >>> w.grad, b.grad = torch.tensor([3.0, 4.0]), torch.tensor([12.0])
+        >>> [float(n) for n in clip_grad_per_param_norm_([w, b], max_norm=6.0)]
+        [5.0, 12.0]
+        >>> b.grad  # only the 12 was above 6
+        tensor([6.0000])
+    """
+    if max_norm < 0:
+        raise ValueError(f"max_norm={max_norm} must be >= 0")
+    grads = _grads(parameters)
+    if not grads:
+        return []
+    norms = _per_tensor_norms(grads, 2.0)
+    coefs = torch.clamp(max_norm / (norms + eps), max=1.0)
+    for g, c in zip(grads, coefs.unbind(), strict=True):
+        local = _local(g)
+        local.mul_(c.to(local.device, non_blocking=True))
+    return list(norms.unbind())

@@ -1,0 +1,136 @@
+"""Global norms across real ranks (gloo, CPU): FSDP2 shards, replicated DTensors, pipeline stages."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from steadytrain.clip import clip_grad_global_norm_, clip_grad_per_param_norm_, global_grad_norm
+from tests.dist_utils import load_all, save, spawn
+
+pytestmark = pytest.mark.distributed
+
+NORM_TYPES = (2.0, 1.0, math.inf)
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    # Odd sizes so that FSDP2 shards unevenly; heterogeneous scales between layers.
+    return nn.Sequential(nn.Linear(7, 13), nn.Tanh(), nn.Linear(13, 5), nn.LayerNorm(5), nn.Linear(5, 3))
+
+
+def global_batch(world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    return torch.randn(4 * world_size, 7, generator=gen), torch.randn(4 * world_size, 3, generator=gen)
+
+
+def single_process_reference(world_size: int, max_norm: float) -> dict:
+    """Norms and clipped grads of one process on the whole global batch: the oracle."""
+    model = make_model()
+    x, y = global_batch(world_size)
+    nn.functional.mse_loss(model(x), y).backward()
+    params = list(model.parameters())
+    out = {f"norm{p}": torch.nn.utils.get_total_norm([q.grad for q in params], p) for p in NORM_TYPES}
+    out["per_param"] = [q.grad.norm() for q in params]
+    torch.nn.utils.clip_grad_norm_(params, max_norm)
+    out["clipped"] = [q.grad.clone() for q in params]
+    return out
+
+
+def fsdp_worker(rank: int, world_size: int, out, max_norm: float) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    model = make_model()
+    for layer in model:
+        if any(True for _ in layer.parameters()):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    x, y = global_batch(world_size)
+    local = slice(4 * rank, 4 * (rank + 1))
+    # FSDP2 averages gradients over ranks: the mean of local means = the global mean (equal sizes).
+    nn.functional.mse_loss(model(x[local]), y[local]).backward()
+    params = list(model.parameters())
+    result = {f"norm{p}": global_grad_norm(params, p) for p in NORM_TYPES}
+    # What a per-shard norm would have given (the bug users report): differs by rank.
+    result["local_shard_norm"] = torch.linalg.vector_norm(torch.stack([q.grad.to_local().norm() for q in params]))
+    per_param_model = make_model()  # a second sharded copy for per-param clipping
+    for layer in per_param_model:
+        if any(True for _ in layer.parameters()):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(per_param_model, mesh=mesh)
+    nn.functional.mse_loss(per_param_model(x[local]), y[local]).backward()
+    result["per_param"] = clip_grad_per_param_norm_(list(per_param_model.parameters()), max_norm=1e9)
+    result["pre_clip"] = clip_grad_global_norm_(params, max_norm)
+    result["clipped"] = [q.grad.full_tensor() for q in params]
+    save(out, rank, result)
+
+
+def test_fsdp2_global_norm_equals_single_process(tmp_path):
+    world_size, max_norm = 2, 0.05
+    spawn(fsdp_worker, world_size, tmp_path, max_norm)
+    ref = single_process_reference(world_size, max_norm)
+    results = load_all(tmp_path, world_size)
+    for r in results:
+        for p in NORM_TYPES:
+            torch.testing.assert_close(r[f"norm{p}"], ref[f"norm{p}"], rtol=1e-5, atol=0)
+        torch.testing.assert_close(r["pre_clip"], ref["norm2.0"], rtol=1e-5, atol=0)
+        torch.testing.assert_close(torch.stack(r["per_param"]), torch.stack(ref["per_param"]), rtol=1e-5, atol=0)
+        for got, want in zip(r["clipped"], ref["clipped"], strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+    # The per-shard norm is what the bug returns: not the global norm, and different on each rank.
+    assert not math.isclose(float(results[0]["local_shard_norm"]), float(ref["norm2.0"]), rel_tol=1e-3)
+    assert not math.isclose(float(results[0]["local_shard_norm"]), float(results[1]["local_shard_norm"]))
+
+
+def replicated_worker(rank: int, world_size: int, out) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    full = torch.arange(1.0, 13.0).reshape(6, 2)
+    replicated = nn.Parameter(distribute_tensor(torch.zeros(6, 2), mesh, [Replicate()]))
+    replicated.grad = distribute_tensor(full, mesh, [Replicate()])
+    sharded = nn.Parameter(distribute_tensor(torch.zeros(6, 2), mesh, [Shard(1)]))
+    sharded.grad = distribute_tensor(full, mesh, [Shard(1)])
+    save(out, rank, {"replicated": global_grad_norm([replicated]), "sharded": global_grad_norm([sharded])})
+
+
+def test_replicated_dtensor_is_not_counted_twice(tmp_path):
+    spawn(replicated_worker, 2, tmp_path)
+    expected = torch.linalg.vector_norm(torch.arange(1.0, 13.0))
+    for r in load_all(tmp_path, 2):
+        torch.testing.assert_close(r["replicated"], expected)
+        torch.testing.assert_close(r["sharded"], expected)
+
+
+def pipeline_worker(rank: int, world_size: int, out, max_norm: float) -> None:
+    model = make_model()
+    x, y = global_batch(world_size)
+    nn.functional.mse_loss(model(x), y).backward()
+    params = list(model.parameters())
+    # Each "stage" holds a different, disjoint slice of the parameters.
+    stage_params = params[rank::world_size]
+    result = {f"norm{p}": global_grad_norm(stage_params, p, process_group=dist.group.WORLD) for p in NORM_TYPES}
+    result["stage_only"] = global_grad_norm(stage_params)
+    result["pre_clip"] = clip_grad_global_norm_(stage_params, max_norm, process_group=dist.group.WORLD)
+    result["clipped"] = {i: params[i].grad for i in range(rank, len(params), world_size)}
+    save(out, rank, result)
+
+
+def test_pipeline_stages_summed_through_process_group(tmp_path):
+    world_size, max_norm = 2, 0.05
+    spawn(pipeline_worker, world_size, tmp_path, max_norm)
+    ref = single_process_reference(world_size, max_norm)
+    results = load_all(tmp_path, world_size)
+    for r in results:
+        for p in NORM_TYPES:
+            torch.testing.assert_close(r[f"norm{p}"], ref[f"norm{p}"], rtol=1e-5, atol=0)
+        assert float(r["stage_only"]) < float(ref["norm2.0"])
+        for i, g in r["clipped"].items():
+            torch.testing.assert_close(g, ref["clipped"][i], rtol=1e-5, atol=1e-7)
