@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -57,7 +58,7 @@ def test_seed_example_warmup_ramps_to_scaled_lr():
     lrs = lrs_over(sched, opt, 1200)
     # Starts small, rises linearly, reaches 8e-3 at the end of warmup and stays there.
     assert lrs[0] < 8e-3 / 100
-    diffs = [b - a for a, b in zip(lrs[:1000], lrs[1:1001], strict=True)]
+    diffs = [b - a for a, b in itertools.pairwise(lrs[:1001])]
     assert all(math.isclose(d, 8e-3 / 1001, rel_tol=1e-6) for d in diffs)
     assert math.isclose(lrs[1000], 8e-3, rel_tol=1e-12)
     assert max(lrs) == pytest.approx(8e-3)
@@ -149,7 +150,7 @@ def test_large_scale_up_suggests_sweep():
     assert any("sweep" in n for n in plan.notes)
     sweep = plan.lr_sweep(num=5, factor=2.0)
     assert math.isclose(sweep[2], plan.lr)
-    assert all(math.isclose(b / a, 2.0) for a, b in zip(sweep, sweep[1:], strict=False))
+    assert all(math.isclose(b / a, 2.0) for a, b in itertools.pairwise(sweep))
 
 
 def test_plan_is_frozen():

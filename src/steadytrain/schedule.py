@@ -36,6 +36,10 @@ def _positive_int(name: str, value: object) -> int:
     return value
 
 
+def _ceil_div(a: int, b: int) -> int:
+    return -(a // -b)
+
+
 def effective_batch_size(micro_batch_size: int, accumulation_steps: int, world_size: int) -> int:
     """Examples per optimizer step: micro batch per device x accumulation steps x data-parallel ranks.
 
@@ -81,7 +85,7 @@ def optimizer_steps(total_micro_batches: int, accumulation_steps: int) -> int:
     """
     if isinstance(total_micro_batches, bool) or not isinstance(total_micro_batches, int) or total_micro_batches < 0:
         raise ValueError(f"total_micro_batches={total_micro_batches!r} must be an integer >= 0")
-    return -(-total_micro_batches // _positive_int("accumulation_steps", accumulation_steps))
+    return _ceil_div(total_micro_batches, _positive_int("accumulation_steps", accumulation_steps))
 
 
 def lr_multiplier(
@@ -288,7 +292,7 @@ class BatchPlan:
             return
         size = _positive_int("dataset_size", self.dataset_size)
         # Each rank gets ceil(size / world) examples (a distributed sampler pads the last ranks).
-        micro_batches = -(-(-(-size // world)) // micro)
+        micro_batches = _ceil_div(_ceil_div(size, world), micro)
         steps = optimizer_steps(micro_batches, accum)
         self._set("micro_batches_per_epoch", micro_batches)
         self._set("steps_per_epoch", steps)
