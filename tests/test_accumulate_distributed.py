@@ -1,0 +1,211 @@
+"""GradientAccumulator on real ranks (gloo, CPU): DDP and FSDP2 against a single-process reference."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from steadytrain.accumulate import GradientAccumulator
+from tests.dist_utils import load_all, save, spawn
+
+pytestmark = pytest.mark.distributed
+
+# Items per micro-batch: [cycle][rank][micro] — unequal across ranks and across micro-batches.
+SIZES = [[[3, 5, 1], [6, 2, 4]], [[2, 2, 7], [1, 9, 3]]]
+K, LR = 3, 0.1
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 2))
+
+
+def all_data() -> tuple[torch.Tensor, torch.Tensor]:
+    n = sum(sum(sum(r) for r in c) for c in SIZES)
+    gen = torch.Generator().manual_seed(1)
+    return torch.randn(n, 5, generator=gen), torch.randn(n, 2, generator=gen)
+
+
+def chunks(cycle: int, rank: int, poison: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's micro-batches of one cycle (global data laid out cycle, rank, micro)."""
+    x, y = all_data()
+    start = 0
+    for c in range(len(SIZES)):
+        for r in range(len(SIZES[c])):
+            for m, size in enumerate(SIZES[c][r]):
+                if (c, r) == (cycle, rank):
+                    xb, yb = x[start : start + size].clone(), y[start : start + size].clone()
+                    if poison and m == 1:
+                        yb[0, 0] = math.nan
+                    yield xb, yb
+                start += size
+
+
+def item_loss(model, x, y):
+    return (model(x) - y).pow(2).mean(dim=1)
+
+
+def reference(use_items: bool, world_size: int = 2) -> list[torch.Tensor]:
+    """One process, one plain SGD step per cycle over every item of every rank."""
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    for c in range(len(SIZES)):
+        total = 0.0
+        for r in range(world_size):
+            for (x, y), size in zip(chunks(c, r), SIZES[c][r], strict=True):
+                losses = item_loss(model, x, y)
+                # Item mode: global mean over all items; else the mean of micro-batch means.
+                weight = 1.0 / sum(sum(s) for s in SIZES[c]) if use_items else 1.0 / (world_size * K * size)
+                total = total + losses.sum() * weight
+        total.backward()
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+CURRENT = {"micro": -1}
+
+
+def counting_hook(state, bucket):
+    state.append(CURRENT["micro"])
+    fut = dist.all_reduce(bucket.buffer().div_(dist.get_world_size()), async_op=True).get_future()
+    return fut.then(lambda f: f.value()[0])
+
+
+def ddp_worker(rank, world_size, out, use_items, poison_rank):
+    model = nn.parallel.DistributedDataParallel(make_model())
+    calls: list[int] = []
+    model.register_comm_hook(calls, counting_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    acc = GradientAccumulator(model, opt, accumulation_steps=K, max_grad_norm=1e6)
+    micro = 0
+    for c in range(len(SIZES)):
+        for xb, yb in chunks(c, rank, poison=(rank == poison_rank and c == 0)):
+            CURRENT["micro"] = micro
+            with acc.micro_batch(num_items=len(xb) if use_items else None, tag=(c, rank)) as mb:
+                mb.backward(item_loss(model, xb, yb).mean())
+            micro += 1
+    save(
+        out,
+        rank,
+        {
+            "params": [p.detach().clone() for p in model.module.parameters()],
+            "calls": calls,
+            "optimizer_steps": acc.optimizer_steps,
+            "skipped": acc.skipped_steps,
+            "items_seen": acc.items_seen,
+            "events": acc.nonfinite_events,
+        },
+    )
+
+
+@pytest.mark.parametrize("use_items", [True, False])
+def test_ddp_equals_single_process_global_mean(tmp_path, use_items):
+    spawn(ddp_worker, 2, tmp_path, use_items, -1)
+    ref = reference(use_items)
+    for r in load_all(tmp_path, 2):
+        for got, want in zip(r["params"], ref, strict=True):
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+        assert r["optimizer_steps"] == 2 and r["skipped"] == 0
+        # Gradient all-reduce only ever ran during the last micro-batch of a cycle (2, 5).
+        assert r["calls"] and set(r["calls"]) == {K - 1, 2 * K - 1}
+        if use_items:
+            assert r["items_seen"] == sum(sum(sum(s) for s in c) for c in SIZES)
+
+
+def test_ddp_nan_on_one_rank_both_skip(tmp_path):
+    spawn(ddp_worker, 2, tmp_path, True, 1)
+    results = load_all(tmp_path, 2)
+    for r in results:
+        assert r["skipped"] == 1 and r["optimizer_steps"] == 1
+        assert all(torch.isfinite(p).all() for p in r["params"])
+    for a, b in zip(results[0]["params"], results[1]["params"], strict=True):
+        assert torch.equal(a, b)
+    # Only rank 1 saw a non-finite local loss, in its micro-batch 1.
+    assert results[1]["events"][0].nonfinite_micro_batches == (1,)
+    assert results[0]["events"][0].nonfinite_micro_batches == ()
+    assert results[1]["events"][0].tags[1] == (0, 1)
+
+
+def ddp_partial_worker(rank, world_size, out, use_wrapper):
+    model = nn.parallel.DistributedDataParallel(make_model())
+    calls: list[int] = []
+    model.register_comm_hook(calls, counting_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    acc = GradientAccumulator(model, opt, accumulation_steps=4)  # 3 micro-batches: a partial cycle
+    data = list(chunks(0, rank))
+    for i, (xb, yb) in enumerate(acc.micro_batches(data) if use_wrapper else data):
+        CURRENT["micro"] = i
+        with acc.micro_batch(num_items=len(xb)) as mb:
+            mb.backward(item_loss(model, xb, yb).mean())
+    acc.finish()
+    save(out, rank, {"params": [p.detach().clone() for p in model.module.parameters()], "calls": calls})
+
+
+@pytest.mark.parametrize("use_wrapper", [True, False])
+def test_ddp_partial_cycle_synchronized(tmp_path, use_wrapper):
+    spawn(ddp_partial_worker, 2, tmp_path, use_wrapper)
+    model = make_model()
+    losses = [item_loss(model, x, y) for r in range(2) for x, y in chunks(0, r)]
+    torch.cat(losses).mean().backward()
+    with torch.no_grad():
+        ref = [p - LR * p.grad for p in model.parameters()]
+    for r in load_all(tmp_path, 2):
+        for got, want in zip(r["params"], ref, strict=True):
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+        # With the wrapper the last micro-batch of the data is the one DDP synchronizes.
+        assert set(r["calls"]) == ({2} if use_wrapper else set())
+
+
+def fsdp_worker(rank, world_size, out):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    reduce_calls: list[int] = []
+    # FSDP2 reduce-scatters gradients through one of these (the name depends on the torch release).
+    names = [n for n in ("reduce_scatter_single", "reduce_scatter_tensor") if hasattr(dist, n)]
+    originals = {n: getattr(dist, n) for n in names}
+
+    def counting(name):
+        def reduce_scatter(*args, **kwargs):
+            reduce_calls.append(CURRENT["micro"])
+            return originals[name](*args, **kwargs)
+
+        return reduce_scatter
+
+    for n in names:
+        setattr(dist, n, counting(n))
+    mesh = init_device_mesh("cpu", (world_size,))
+    model = make_model()
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    acc = GradientAccumulator(model, opt, accumulation_steps=K, max_grad_norm=1e6)
+    micro = 0
+    for c in range(len(SIZES)):
+        for xb, yb in chunks(c, rank):
+            CURRENT["micro"] = micro
+            with acc.micro_batch(num_items=len(xb)) as mb:
+                mb.backward(item_loss(model, xb, yb).mean())
+            micro += 1
+    for n, fn in originals.items():
+        setattr(dist, n, fn)
+    save(
+        out,
+        rank,
+        {"params": [p.full_tensor() for p in model.parameters()], "calls": reduce_calls, "steps": acc.optimizer_steps},
+    )
+
+
+def test_fsdp2_equals_single_process_global_mean(tmp_path):
+    spawn(fsdp_worker, 2, tmp_path)
+    ref = reference(use_items=True)
+    for r in load_all(tmp_path, 2):
+        assert r["steps"] == 2
+        for got, want in zip(r["params"], ref, strict=True):
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+        # Gradients were reduce-scattered only in the last micro-batch of each cycle.
+        assert set(r["calls"]) == {K - 1, 2 * K - 1}
