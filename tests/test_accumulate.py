@@ -366,3 +366,17 @@ def test_value_clipping_after_normalization():
             p.sub_(0.1 * q.grad)
     run_accumulated(model, split(x, y, [4] * 4), k=4, use_items=False, clip_value=0.01)
     assert_same_params(model, ref)
+
+
+def test_num_items_as_tensor_matches_int():
+    # Token counts usually come from a mask: a tensor, which must not force a host sync per micro-batch.
+    x, y = data(20)
+    ref, model = make_model(), make_model()
+    reference_step(ref, x, y)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    acc = GradientAccumulator(model, opt, accumulation_steps=4)
+    for xb, yb in split(x, y, [3, 10, 1, 6]):
+        with acc.micro_batch(num_items=torch.ones(len(xb), dtype=torch.bool).sum()) as mb:
+            mb.backward(item_loss(model, xb, yb).mean())
+    assert acc.optimizer_steps == 1 and acc.items_seen == 20
+    assert_same_params(model, ref)

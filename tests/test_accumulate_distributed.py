@@ -161,7 +161,7 @@ def test_ddp_partial_cycle_synchronized(tmp_path, use_wrapper):
         assert set(r["calls"]) == ({2} if use_wrapper else set())
 
 
-def fsdp_worker(rank, world_size, out):
+def fsdp_worker(rank, world_size, out, partial=False):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -183,10 +183,12 @@ def fsdp_worker(rank, world_size, out):
     model = make_model()
     fully_shard(model, mesh=mesh)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-    acc = GradientAccumulator(model, opt, accumulation_steps=K, max_grad_norm=1e6)
+    acc = GradientAccumulator(model, opt, accumulation_steps=K + 1 if partial else K, max_grad_norm=1e6)
     micro = 0
     for c in range(len(SIZES)):
-        for xb, yb in chunks(c, rank):
+        # partial: K+1 per cycle, so each cycle of K micro-batches is a partial one ended by the data.
+        data = list(chunks(c, rank))
+        for xb, yb in acc.micro_batches(data) if partial else data:
             CURRENT["micro"] = micro
             with acc.micro_batch(num_items=len(xb)) as mb:
                 mb.backward(item_loss(model, xb, yb).mean())
@@ -200,8 +202,9 @@ def fsdp_worker(rank, world_size, out):
     )
 
 
-def test_fsdp2_equals_single_process_global_mean(tmp_path):
-    spawn(fsdp_worker, 2, tmp_path)
+@pytest.mark.parametrize("partial", [False, True])
+def test_fsdp2_equals_single_process_global_mean(tmp_path, partial):
+    spawn(fsdp_worker, 2, tmp_path, partial)
     ref = reference(use_items=True)
     for r in load_all(tmp_path, 2):
         assert r["steps"] == 2
