@@ -20,6 +20,8 @@ def _entry(rank: int, fn, world_size: int, tmp: str, args: tuple) -> None:
     dist.init_process_group("gloo", init_method=f"file://{tmp}/init", rank=rank, world_size=world_size)
     try:
         fn(rank, world_size, Path(tmp), *args)
+        # No rank tears down its connections while a peer still finishes the last collective.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

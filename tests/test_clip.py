@@ -250,3 +250,16 @@ def test_mixed_dtypes():
 def test_bad_arguments_name_the_field(fn, kwargs, word):
     with pytest.raises(ValueError, match=word):
         fn(seed_params(), **kwargs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_large_cpu_gradient_norm_is_float32_accurate(dtype):
+    # A plain float32 reduction over millions of elements drifts by ~1e-4..1e-3 relative on CPU;
+    # the global norm must stay within float32 accuracy of the float64 value.
+    n = 8_000_000 + 77  # a tail that is not a multiple of the row length
+    grad = (torch.randn(n, generator=torch.Generator().manual_seed(0)) * 1e-2).to(dtype)
+    params = params_with_grads([grad, torch.tensor([3.0, 4.0], dtype=dtype)])
+    expected = math.sqrt(float(grad.double().pow(2).sum()) + 25.0)
+    assert math.isclose(float(global_grad_norm(params)), expected, rel_tol=1e-5)
+    norm1 = float(global_grad_norm(params, norm_type=1.0))
+    assert math.isclose(norm1, float(grad.double().abs().sum()) + 7.0, rel_tol=1e-5)
