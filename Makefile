@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 TORCH_PIN := torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint format bench clean
+.PHONY: run test lint format bench clean image-files
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -36,3 +36,9 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache .ruff_cache
+
+# The project's own CPU image, produced by steadytrain itself (no Docker engine is needed to generate them).
+image-files: $(STAMP)
+	$(BIN)/steadytrain env lock --for steadytrain -o requirements.lock
+	$(BIN)/steadytrain env dockerfile --base python:3.11.7-slim-bookworm \
+		--tag "$$($(BIN)/steadytrain env tag --name steadytrain --version 0.1.0)" -o Dockerfile

@@ -366,9 +366,12 @@ class GradientAccumulator:
         norm_value = math.nan
         coef: Tensor | float = factor
         if need_norm:
-            norm = global_grad_norm(self._params, self.norm_type) * factor
+            unit = isinstance(factor, float) and factor == 1.0  # a full cycle in mean mode: nothing to rescale
+            norm = global_grad_norm(self._params, self.norm_type)
+            norm = norm if unit else norm * factor
             if self.max_grad_norm is not None:
-                coef = factor * torch.clamp(self.max_grad_norm / (norm + self.eps), max=1.0)
+                clip = torch.clamp(self.max_grad_norm / (norm + self.eps), max=1.0)
+                coef = clip if unit else factor * clip
             norm_value = float(norm)  # the one host sync per optimizer step: skip/step must be decided
         if cycle.use_items:
             items = float(total)
@@ -380,15 +383,18 @@ class GradientAccumulator:
             and (self.on_nonfinite != "ignore" or self.grad_scaler is not None)
         ):
             return self._nonfinite(cycle, index, norm_value, items)
+        rescale = not (isinstance(coef, float) and coef == 1.0)
+        folded = False
         if self.clip_value is not None:
-            if not isinstance(coef, float) or coef != 1.0:
+            if rescale:
                 scale_grads_(self._params, coef)
             clip_grad_value_(self._params, self.clip_value)
-        elif self._fused:
+        elif self._fused and rescale:
             # The fused kernel divides every gradient by grad_scale as it reads it: no extra pass.
             coef_t = coef if isinstance(coef, Tensor) else torch.tensor(coef)
             self.optimizer.grad_scale = (1.0 / coef_t).to(self._device, torch.float32)
-        elif not isinstance(coef, float) or coef != 1.0:
+            folded = True
+        elif rescale:
             scale_grads_(self._params, coef)
         try:
             if self.grad_scaler is not None:
@@ -397,7 +403,7 @@ class GradientAccumulator:
             else:
                 self.optimizer.step()
         finally:
-            if self._fused:
+            if folded:
                 del self.optimizer.grad_scale
         if self.scheduler is not None:
             self.scheduler.step()

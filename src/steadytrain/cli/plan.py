@@ -1,32 +1,17 @@
-"""The ``steadytrain`` command: thin wrappers that parse, build, run and print. No math here."""
+"""``steadytrain plan``: the batch plan of a run."""
 
 from __future__ import annotations
 
 import json
-import sys
 
 import click
-from rich.console import Console
 from rich.table import Table
 
+from steadytrain.cli._common import UserError, console
 from steadytrain.schedule import SCALING_RULES, BatchPlan
 
-console = Console()
 
-
-class UserError(click.ClickException):
-    """Bad input from the user: one line on stderr, exit code 2."""
-
-    exit_code = 2
-
-
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(package_name="steadytrain")
-def cli() -> None:
-    """steadytrain: the parts of PyTorch training that quietly break runs, right by construction."""
-
-
-@cli.command()
+@click.command()
 @click.option("--micro-batch-size", type=int, required=True, help="Examples per forward/backward on one device.")
 @click.option("--accumulation-steps", type=int, default=None, help="Micro-batches per optimizer step.")
 @click.option("--world-size", type=int, default=1, show_default=True, help="Data-parallel ranks.")
@@ -77,20 +62,3 @@ def _plan_table(p: BatchPlan, lrs: list[float]) -> Table:
     if p.warmup_steps is not None:
         table.add_row("warmup (optimizer steps)", str(p.warmup_steps), "step the scheduler once per optimizer step")
     return table
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Entry point: click errors become one line on stderr and exit code 2."""
-    try:
-        cli.main(args=argv, prog_name="steadytrain", standalone_mode=False)
-    except click.exceptions.Abort:
-        click.echo("aborted", err=True)
-        return 130
-    except click.ClickException as err:
-        click.echo(f"error: {err.format_message()}", err=True)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

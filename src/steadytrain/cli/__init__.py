@@ -1,0 +1,37 @@
+"""The ``steadytrain`` command: thin wrappers that parse, build, run and print. No math here."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from steadytrain.cli.env import env
+from steadytrain.cli.plan import plan
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="steadytrain")
+def cli() -> None:
+    """steadytrain: the parts of PyTorch training that quietly break runs, right by construction."""
+
+
+cli.add_command(plan)
+cli.add_command(env)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: click errors become one line on stderr and exit code 2."""
+    try:
+        rc = cli.main(args=argv, prog_name="steadytrain", standalone_mode=False)
+    except click.exceptions.Abort:
+        click.echo("aborted", err=True)
+        return 130
+    except click.ClickException as err:
+        click.echo(f"error: {err.format_message()}", err=True)
+        return 2
+    return rc if isinstance(rc, int) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,168 @@
+"""``steadytrain env``: capture, diff, check, lock, dockerfile, tag."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import click
+from rich.table import Table
+
+from steadytrain.cli._common import UserError, console
+
+
+def _write_atomic(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` via a temporary file and rename: bad input never leaves half a file."""
+    target = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _emit(text: str, output: str | None, what: str) -> None:
+    if output is None:
+        sys.stdout.write(text)
+    else:
+        _write_atomic(output, text)
+        click.echo(f"wrote {what} to {output}", err=True)
+
+
+def _manifest(path: str | None):
+    from steadytrain.env import EnvManifest, ManifestError, capture
+
+    if path is None:
+        return capture()
+    try:
+        return EnvManifest.load(path)
+    except ManifestError as err:
+        raise UserError(str(err)) from err
+
+
+@click.group()
+def env() -> None:
+    """Reproducible environments: what the image pins and what the host adds."""
+
+
+@env.command("capture")
+@click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write the manifest here (else stdout).")
+def capture_cmd(output: str | None) -> None:
+    """Record image, host, code and settings as JSON."""
+    from steadytrain.env import capture
+
+    _emit(json.dumps(capture().to_dict(), indent=2) + "\n", output, "the environment manifest")
+
+
+@env.command("diff")
+@click.argument("a", type=click.Path(exists=True, dir_okay=False))
+@click.argument("b", type=click.Path(exists=True, dir_okay=False))
+def diff_cmd(a: str, b: str) -> None:
+    """Differences between two manifests, grouped by scope; exit 1 if any."""
+    from steadytrain.env import SCOPES, diff, summarize
+
+    diffs = diff(_manifest(a), _manifest(b))
+    for scope in SCOPES:
+        mine = [d for d in diffs if d.scope == scope]
+        if not mine:
+            continue
+        table = Table(title=f"{scope} ({len(mine)})", title_justify="left")
+        table.add_column("field")
+        table.add_column(Path(a).name)
+        table.add_column(Path(b).name)
+        for d in mine:
+            table.add_row(d.path.split(".", 1)[1], str(d.a), str(d.b))
+        console.print(table)
+    click.echo(summarize(diffs))  # one line, never wrapped: scripts read it
+    if diffs:
+        raise click.exceptions.Exit(1)
+
+
+@env.command("check")
+@click.option("--contract", "contract_path", required=True, type=click.Path(dir_okay=False))
+@click.option("--manifest", "manifest_path", type=click.Path(dir_okay=False), help="A saved manifest (else capture).")
+def check_cmd(contract_path: str, manifest_path: str | None) -> None:
+    """Check the environment against a contract (validated driver, kernel, CUDA, packages); exit 1 on violation."""
+    from steadytrain.env import Contract, ContractError, check
+
+    if not Path(contract_path).exists():
+        raise UserError(f"{contract_path}: no such contract file")
+    try:
+        contract = Contract.load(contract_path)
+    except ContractError as err:
+        raise UserError(str(err)) from err
+    violations = check(_manifest(manifest_path), contract)
+    for v in violations:
+        click.echo(f"violation: {v.message}")
+    if violations:
+        click.echo(f"{len(violations)} violation(s) of {contract_path}")
+        raise click.exceptions.Exit(1)
+    click.echo(f"ok: the environment satisfies {contract_path}")
+
+
+@env.command("lock")
+@click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write the lockfile here (else stdout).")
+@click.option("--manifest", "manifest_path", type=click.Path(dir_okay=False), help="A saved manifest (else capture).")
+@click.option("--for", "roots", multiple=True, help="Only these distributions and what they require (repeatable).")
+def lock_cmd(output: str | None, manifest_path: str | None, roots: tuple[str, ...]) -> None:
+    """``name==version`` for every installed distribution (or the closure of --for)."""
+    from steadytrain.env import lockfile
+    from steadytrain.env.manifest import requirement_closure
+
+    manifest = _manifest(manifest_path)
+    only = exclude = None
+    if roots:
+        try:
+            only = requirement_closure(roots)
+        except KeyError as err:
+            raise UserError(f"--for {err.args[0]}: not installed in this environment") from err
+        exclude = {r.lower() for r in roots}  # the project itself is installed from source, not pinned
+    _emit(lockfile(manifest, only=only, exclude=exclude), output, "the lockfile")
+
+
+@env.command("dockerfile")
+@click.option("--base", "base_image", required=True, help="Base image with a tag, e.g. python:3.11.7-slim-bookworm.")
+@click.option("--digest", "base_digest", default=None, help="sha256:... digest of the base image.")
+@click.option("--tag", default=None, help="The image tag to label (see `env tag`).")
+@click.option("--lockfile", "lockfile_path", default="requirements.lock", show_default=True)
+@click.option("--contract", "contract_path", default="contract.yaml", show_default=True)
+@click.option("--manifest", "manifest_path", type=click.Path(dir_okay=False), help="A saved manifest (else capture).")
+@click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write the Dockerfile here (else stdout).")
+def dockerfile_cmd(base_image, base_digest, tag, lockfile_path, contract_path, manifest_path, output) -> None:
+    """A Dockerfile: pinned base, lockfile installed --no-deps, commit label, contract checked at start."""
+    from steadytrain.env import dockerfile
+
+    try:
+        text = dockerfile(
+            _manifest(manifest_path),
+            base_image=base_image,
+            base_digest=base_digest,
+            lockfile_path=lockfile_path,
+            contract_path=contract_path,
+            tag=tag,
+        )
+    except ValueError as err:
+        raise UserError(str(err)) from err
+    _emit(text, output, "the Dockerfile")
+
+
+@env.command("tag")
+@click.option("--name", required=True, help="Image repository name, e.g. training.")
+@click.option("--version", "version", required=True, help="Your release, e.g. 2.3.1.")
+@click.option("--manifest", "manifest_path", type=click.Path(dir_okay=False), help="A saved manifest (else capture).")
+def tag_cmd(name: str, version: str, manifest_path: str | None) -> None:
+    """The image tag: name:vVERSION-cudaX.Y-cudnnA.B-torchT (or -cpu-torchT)."""
+    from steadytrain.env import image_tag
+
+    try:
+        click.echo(image_tag(_manifest(manifest_path), name, version))
+    except ValueError as err:
+        raise UserError(str(err)) from err
