@@ -32,7 +32,12 @@ format: $(STAMP)
 	$(BIN)/ruff format .
 
 bench: $(STAMP)
+	$(BIN)/pip install --quiet "$(TORCH_PIN)" -e '.[dev,bench]'
 	$(BIN)/python bench/clip.py
+	$(BIN)/python bench/clip_step.py
+	$(BIN)/python bench/ddp_sync.py
+	$(BIN)/python bench/loop.py
+	$(BIN)/python bench/env_capture.py
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache .ruff_cache

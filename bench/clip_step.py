@@ -81,7 +81,7 @@ def main() -> None:
     # Compare the parameter CHANGE (2 steps of lr 1e-4 each), not the parameters themselves.
     init, _ = build(0)
     worst = max(
-        float((a - b).abs().max() / (b - p0).abs().max())
+        float((a.detach() - b.detach()).abs().max() / (b.detach() - p0.detach()).abs().max())
         for a, b, p0 in zip(ours_model.parameters(), ref_model.parameters(), init.parameters(), strict=True)
     )
     print(f"check: max |difference| / max |update| after 2 steps = {worst:.2e}")
