@@ -46,7 +46,19 @@ def _dense_grad(name: str, p: torch.Tensor) -> torch.Tensor:
     return p.grad
 
 
-class LARS(Optimizer):
+class _Layerwise(Optimizer):
+    """Shared by LARS and LAMB: every param group (the defaults and each added one) is validated."""
+
+    @staticmethod
+    def _validate(g: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        self._validate(self.param_groups[-1])
+
+
+class LARS(_Layerwise):
     """SGD with momentum and layer-wise adaptive rate scaling (LARS).
 
     For each parameter ``p`` with gradient ``g``, if ``p`` is adapted::
@@ -119,10 +131,6 @@ class LARS(Optimizer):
         _check("LARS", "nesterov", g["nesterov"], not g["nesterov"] or g["momentum"] > 0, "False when momentum=0")
         _check("LARS", "adapt", g["adapt"], g["adapt"] in (None, True, False), "True, False or None")
 
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        super().add_param_group(param_group)
-        self._validate(self.param_groups[-1])
-
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """Perform one optimization step.
@@ -166,7 +174,7 @@ class LARS(Optimizer):
         return loss
 
 
-class LAMB(Optimizer):
+class LAMB(_Layerwise):
     """Adam with layer-wise trust ratios (LAMB).
 
     For each parameter ``p`` with gradient ``g`` at step ``t`` (starting at 1)::
@@ -242,10 +250,6 @@ class LAMB(Optimizer):
         ct = g["clamp_trust"]
         _check("LAMB", "clamp_trust", ct, ct is None or ct > 0, "None or > 0")
         _check("LAMB", "adapt", g["adapt"], g["adapt"] in (None, True, False), "True, False or None")
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        super().add_param_group(param_group)
-        self._validate(self.param_groups[-1])
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]

@@ -3,37 +3,21 @@
 from __future__ import annotations
 
 import json
-import os
 import sys
-import tempfile
 from pathlib import Path
 
 import click
 from rich.table import Table
 
+from steadytrain._io import write_text_atomic
 from steadytrain.cli._common import UserError, console
-
-
-def _write_atomic(path: str, text: str) -> None:
-    """Write ``text`` to ``path`` via a temporary file and rename: bad input never leaves half a file."""
-    target = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _emit(text: str, output: str | None, what: str) -> None:
     if output is None:
         sys.stdout.write(text)
     else:
-        _write_atomic(output, text)
+        write_text_atomic(output, text)
         click.echo(f"wrote {what} to {output}", err=True)
 
 

@@ -17,12 +17,13 @@ import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from packaging.utils import canonicalize_name
+
+from steadytrain._io import write_text_atomic
 
 __all__ = [
     "SCOPES",
@@ -262,18 +263,7 @@ class EnvManifest:
 
     def save(self, path: str | Path) -> None:
         """Write JSON atomically (temporary file, fsync, rename): a crash never leaves half a manifest."""
-        path = Path(path)
-        fd, tmp = tempfile.mkstemp(dir=path.parent or ".", prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(self.to_dict(), f, indent=2, sort_keys=False)
-                f.write("\n")
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_text_atomic(path, json.dumps(self.to_dict(), indent=2) + "\n")
 
     @classmethod
     def load(cls, path: str | Path) -> EnvManifest:
