@@ -6,6 +6,7 @@ import sys
 
 import click
 
+from steadytrain.cli.data import data
 from steadytrain.cli.env import env
 from steadytrain.cli.plan import plan
 
@@ -18,6 +19,7 @@ def cli() -> None:
 
 cli.add_command(plan)
 cli.add_command(env)
+cli.add_command(data)
 
 
 def main(argv: list[str] | None = None) -> int:

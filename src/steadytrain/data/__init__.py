@@ -9,17 +9,47 @@ from steadytrain.data.format import (
     ShardInfo,
     open_dataset,
 )
+from steadytrain.data.provenance import majority_provenance, provenance_differences, provenance_outliers
+from steadytrain.data.schema import (
+    POLICIES,
+    FieldSpec,
+    FieldViolation,
+    PolicyCounts,
+    Schema,
+    SchemaError,
+    SchemaViolationError,
+    ValidationReport,
+    apply_policy,
+    check_table,
+    infer_schema,
+    validate,
+)
 from steadytrain.data.sharded import ShardedDataset, assign_shards, collate_examples
 
 __all__ = [
     "INDEX",
+    "POLICIES",
     "CorruptShardError",
     "Dataset",
     "DatasetError",
     "DatasetWriter",
+    "FieldSpec",
+    "FieldViolation",
+    "PolicyCounts",
+    "Schema",
+    "SchemaError",
+    "SchemaViolationError",
     "ShardInfo",
     "ShardedDataset",
+    "ValidationReport",
+    "apply_policy",
     "assign_shards",
+    "check_table",
     "collate_examples",
+    "infer_schema",
+    "majority_provenance",
     "open_dataset",
+    "provenance_differences",
+    "provenance_outliers",
+    "validate",
 ]

@@ -9,6 +9,7 @@ always names one shard, one rank, one position. Each yielded example is a dict o
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from steadytrain.data.format import CorruptShardError, Dataset, DatasetError, open_dataset
+from steadytrain.data.schema import POLICIES, PolicyCounts, apply_policy
 
 __all__ = ["ShardedDataset", "assign_shards", "collate_examples"]
 
@@ -82,8 +84,8 @@ class ShardedDataset(IterableDataset):
             raise ValueError(f"world_size={world_size!r} must be an integer >= 1")
         if not (isinstance(rank, int) and 0 <= rank < world_size):
             raise ValueError(f"rank={rank!r} must be in [0, world_size={world_size})")
-        if policy not in ("raise", "drop", "clamp"):
-            raise ValueError(f"policy={policy!r} is unknown: use raise, drop or clamp")
+        if policy not in POLICIES:
+            raise ValueError(f"policy={policy!r} is unknown: use one of {', '.join(POLICIES)}")
         known = set(self.dataset.shard_ids)
         if shards is not None:
             unknown = sorted(set(shards) - known)
@@ -95,7 +97,7 @@ class ShardedDataset(IterableDataset):
         self.epoch = epoch
         self._shard_pos = 0  # shards of this rank's epoch order fully consumed
         self._row = 0  # examples yielded from the current shard
-        self.counts: dict[str, int] = {"dropped": 0, "clamped": 0}
+        self.counts = PolicyCounts()  # rows dropped / clamped by the load-time policy, per field and kind
         self.skipped_shards: list[int] = []
 
     def set_epoch(self, epoch: int) -> None:
@@ -124,14 +126,14 @@ class ShardedDataset(IterableDataset):
             "shard_pos": self._shard_pos,
             "row": self._row,
             "seed": self.seed,
-            "counts": dict(self.counts),
+            "counts": dataclasses.asdict(self.counts),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state["seed"] != self.seed:
             raise ValueError(f"checkpoint seed {state['seed']} != dataset seed {self.seed}: resume with the same seed")
         self.epoch, self._shard_pos, self._row = state["epoch"], state["shard_pos"], state["row"]
-        self.counts = dict(state.get("counts", self.counts))
+        self.counts = PolicyCounts(**state["counts"]) if "counts" in state else PolicyCounts()
 
     def _load(self, sid: int) -> tuple[pa.Table, np.ndarray] | None:
         try:
@@ -144,11 +146,8 @@ class ShardedDataset(IterableDataset):
             return None
         indices = np.arange(table.num_rows, dtype=np.int64)
         if self.schema is not None:
-            from steadytrain.data.schema import apply_policy
-
             table, indices, counts = apply_policy(table, self.schema, self.policy, shard=sid)
-            self.counts["dropped"] += counts.dropped
-            self.counts["clamped"] += counts.clamped
+            self.counts.add(counts)
         return table, indices
 
     def __iter__(self):

@@ -1,0 +1,80 @@
+"""``steadytrain data`` as a user runs it, on the seed's story: one shard from a newer pipeline."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from steadytrain.data import DatasetWriter, open_dataset
+from steadytrain.data.provenance import majority_provenance, provenance_differences, provenance_outliers
+
+EXE = shutil.which("steadytrain", path=str(Path(sys.executable).parent)) or "steadytrain"
+VOCAB = ["en", "de", "fr"]
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([EXE, "data", *args], capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def drifted(tmp_path_factory) -> Path:
+    """8 shards; shard 5 came from pipeline 2.1 / schema 4 and has an out-of-vocabulary category."""
+    path = tmp_path_factory.mktemp("data") / "ds"
+    with DatasetWriter(path, provenance={"pipeline_version": "2.0", "schema_version": 3, "source": "s3://logs"}) as w:
+        for s in range(8):
+            rows = [{"category": VOCAB[i % 3], "value": float(i % 7)} for i in range(30)]
+            prov = {}
+            if s == 5:
+                rows[12]["category"] = "pt-BR"
+                rows[20]["category"] = "pt-BR"
+                prov = {"pipeline_version": "2.1", "schema_version": 4}
+            w.write_shard(rows, provenance=prov)
+    return path
+
+
+def test_provenance_functions_name_the_odd_shard(drifted):
+    ds = open_dataset(drifted)
+    assert majority_provenance(ds) == {"pipeline_version": "2.0", "schema_version": 3, "source": "s3://logs"}
+    assert provenance_differences(ds, 5) == {"pipeline_version": ("2.1", "2.0"), "schema_version": (4, 3)}
+    assert provenance_differences(ds, 4) == {}
+    assert list(provenance_outliers(ds)) == [5]
+
+
+def test_provenance_cli(drifted):
+    result = run("provenance", str(drifted), "--shard", "5")
+    assert result.returncode == 0, result.stderr
+    assert "pipeline_version" in result.stdout and "2.1" in result.stdout and "schema_version" in result.stdout
+    table = run("provenance", str(drifted))
+    assert table.returncode == 0 and "unlike the majority: 5" in table.stdout
+    assert run("provenance", str(drifted), "--shard", "99").returncode == 2
+
+
+def test_validate_without_schema_infers_from_the_majority(drifted):
+    result = run("validate", str(drifted))
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "violations in 1 shard(s): 5" in result.stdout
+    assert "unexpected_category" in result.stdout and "12, 20" in result.stdout
+
+
+def test_infer_schema_then_validate(drifted, tmp_path):
+    schema = tmp_path / "schema.yaml"
+    result = run("infer-schema", str(drifted), "--shards", "0-4", "-o", str(schema))
+    assert result.returncode == 0, result.stderr
+    assert run("validate", str(drifted), "--schema", str(schema), "--shards", "0-4,6").returncode == 0
+    assert run("validate", str(drifted), "--schema", str(schema)).returncode == 1
+    assert run("infer-schema", str(drifted), "--shards", "zero", "-o", str(schema)).returncode == 2
+
+
+def test_verify_cli(drifted, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(drifted, copy)
+    assert run("verify", str(copy)).returncode == 0
+    shard = copy / open_dataset(copy).shard(3).file
+    shard.write_bytes(shard.read_bytes()[:-10])
+    result = run("verify", str(copy))
+    assert result.returncode == 1 and "shard 3" in result.stdout
+    assert run("verify", str(tmp_path)).returncode == 2  # not a dataset: one line, exit 2
