@@ -3,7 +3,9 @@
 A generated dataset of ``--rows`` rows (default 1M) in 20 shards: four float64 features, a string
 category (20 values) and an int64 label. Compared, interleaved, one full pass each per round:
 
-* ``raw pyarrow``      -- ``pq.read_table`` per file, ``to_pylist()`` per 8192-row batch (dicts);
+* ``raw pyarrow``      -- a generator over ``pq.read_table`` per file, ``to_pylist()`` per 8192-row
+  batch: the dicts a hand-written PyArrow dataset would yield;
+* ``raw + shard/index`` -- the same with the two fields every steadytrain example carries;
 * ``steadytrain``      -- ``ShardedDataset(shuffle=False)``: the same plus ``shard``/``index`` keys;
 * ``steadytrain+shuf`` -- the default: shard order and in-shard order shuffled per epoch;
 * ``+ validation``     -- with an inferred schema applied at load (policy ``raise``).
@@ -48,21 +50,33 @@ def build(path: Path, rows: int) -> None:
             w.write_shard(pa.table(cols))
 
 
-def raw_pass(files: list[Path]) -> int:
-    n = 0
+def raw_examples(files: list[Path]):
+    """What a hand-written PyArrow dataset yields: one dict per row, file after file."""
     for f in files:
         for batch in pq.read_table(f).to_batches(8192):
-            for _row in batch.to_pylist():
-                n += 1
+            yield from batch.to_pylist()
+
+
+def raw_examples_with_keys(files: list[Path]):
+    """The same, plus the ``shard`` and ``index`` fields every steadytrain example carries."""
+    for s, f in enumerate(files):
+        table = pq.read_table(f)
+        n = table.num_rows
+        table = table.append_column("shard", pa.array(np.full(n, s))).append_column("index", pa.array(np.arange(n)))
+        for batch in table.to_batches(8192):
+            yield from batch.to_pylist()
+
+
+def count(examples) -> int:
+    n = 0
+    for _row in examples:
+        n += 1
     return n
 
 
 def ours_pass(ds: ShardedDataset, epoch: int) -> int:
     ds.set_epoch(epoch)
-    n = 0
-    for _row in ds:
-        n += 1
-    return n
+    return count(ds)
 
 
 def main() -> None:
@@ -82,7 +96,8 @@ def main() -> None:
         f", ready in {time.perf_counter() - start:.1f} s"
     )
     methods = {
-        "raw pyarrow": lambda e: raw_pass(files),
+        "raw pyarrow": lambda e: count(raw_examples(files)),
+        "raw + shard/index": lambda e: count(raw_examples_with_keys(files)),
         "steadytrain": (lambda d: lambda e: ours_pass(d, e))(ShardedDataset(path, shuffle=False)),
         "steadytrain+shuf": (lambda d: lambda e: ours_pass(d, e))(ShardedDataset(path, shuffle=True)),
         "+ validation": (lambda d: lambda e: ours_pass(d, e))(ShardedDataset(path, shuffle=False, schema=schema)),

@@ -10,7 +10,9 @@ always names one shard, one rank, one position. Each yielded example is a dict o
 from __future__ import annotations
 
 import dataclasses
+import operator
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -96,7 +98,7 @@ class ShardedDataset(IterableDataset):
         self.schema, self.policy, self.skip_corrupt, self.verify = schema, policy, skip_corrupt, verify
         self.epoch = epoch
         self._shard_pos = 0  # shards of this rank's epoch order fully consumed
-        self._row = 0  # examples yielded from the current shard
+        self._row_base, self._chunk = 0, None  # examples yielded from the current shard (see _row)
         self.counts = PolicyCounts()  # rows dropped / clamped by the load-time policy, per field and kind
         self.skipped_shards: list[int] = []
 
@@ -150,29 +152,42 @@ class ShardedDataset(IterableDataset):
             self.counts.add(counts)
         return table, indices
 
-    def __iter__(self):
+    @property
+    def _row(self) -> int:
+        """Examples yielded from the current shard: read off the live chunk iterator, no per-row count."""
+        if self._chunk is None:
+            return self._row_base
+        base, size, it = self._chunk
+        return base + size - operator.length_hint(it)
+
+    @_row.setter
+    def _row(self, value: int) -> None:
+        self._row_base, self._chunk = value, None
+
+    def _prepare(self, sid: int, table: pa.Table, indices: np.ndarray) -> pa.Table:
+        """The shard's table in this epoch's order, with ``shard`` and ``index`` columns added."""
+        n = table.num_rows
+        if self.shuffle:
+            order = np.random.default_rng([self.seed, self.epoch, sid]).permutation(n)
+            table, indices = table.take(pa.array(order)), indices[order]
+        table = table.append_column("shard", pa.array(np.full(n, sid, dtype=np.int64)))
+        return table.append_column("index", pa.array(indices))
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
         worker = get_worker_info()
         wid, nworkers = (worker.id, worker.num_workers) if worker is not None else (0, 1)
         if nworkers > 1 and (self._shard_pos or self._row):
             raise RuntimeError("resuming mid-epoch needs num_workers <= 1 (each worker has its own position)")
         order = self.rank_shards()[wid::nworkers]
         for pos in range(self._shard_pos, len(order)):
-            sid = order[pos]
-            loaded = self._load(sid)
+            loaded = self._load(order[pos])
             if loaded is not None:
-                table, indices = loaded
-                rows = np.arange(table.num_rows)
-                if self.shuffle:
-                    rows = np.random.default_rng([self.seed, self.epoch, sid]).permutation(table.num_rows)
-                rows = rows[self._row :]
-                for start in range(0, len(rows), _ROWS_PER_CHUNK):
-                    take = rows[start : start + _ROWS_PER_CHUNK]
-                    chunk = table.take(pa.array(take)).to_pylist()
-                    for row, i in zip(chunk, indices[take].tolist(), strict=True):
-                        row["shard"] = sid
-                        row["index"] = i
-                        self._row += 1
-                        yield row
+                table = self._prepare(order[pos], *loaded)
+                for start in range(self._row, table.num_rows, _ROWS_PER_CHUNK):
+                    rows = table.slice(start, _ROWS_PER_CHUNK).to_pylist()
+                    it = iter(rows)
+                    self._chunk = (start, len(rows), it)
+                    yield from it  # C-level delegation: no Python work per example, one generator deep
             self._shard_pos, self._row = pos + 1, 0
 
 
