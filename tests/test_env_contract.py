@@ -17,10 +17,8 @@ from steadytrain.env.contract import (
     parse_version,
 )
 
-FACTS = [
-    Path(__file__).resolve().parents[1] / "shared" / "facts" / "cuda_driver_compat.md",
-    Path("/work/shared/facts/cuda_driver_compat.md"),
-]
+# The project's reference data lives in shared/ beside the checkout (CI lays a copy there too).
+FACTS = [Path(__file__).resolve().parents[2] / "shared" / "facts" / "cuda_driver_compat.md"]
 
 
 def fake_manifest(
