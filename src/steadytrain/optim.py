@@ -47,7 +47,8 @@ def _dense_grad(name: str, p: torch.Tensor) -> torch.Tensor:
 
 
 class _Layerwise(Optimizer):
-    """Shared by LARS and LAMB: every param group (the defaults and each added one) is validated."""
+    """Shared by LARS and LAMB: groups are validated (the defaults and each added one); ``step`` runs the closure
+    and updates each group with ``_step_group``."""
 
     @staticmethod
     def _validate(g: dict[str, Any]) -> None:
@@ -56,6 +57,30 @@ class _Layerwise(Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
         self._validate(self.param_groups[-1])
+
+    def _step_group(self, group: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """Perform one optimization step.
+
+        Args:
+            closure: Optional callable that re-evaluates the model and returns the loss.
+
+        Returns:
+            The closure's loss, or ``None`` without a closure.
+
+        Raises:
+            RuntimeError: If a gradient is sparse.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            self._step_group(group)
+        return loss
 
 
 class LARS(_Layerwise):
@@ -131,47 +156,29 @@ class LARS(_Layerwise):
         _check("LARS", "nesterov", g["nesterov"], not g["nesterov"] or g["momentum"] > 0, "False when momentum=0")
         _check("LARS", "adapt", g["adapt"], g["adapt"] in (None, True, False), "True, False or None")
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        """Perform one optimization step.
-
-        Args:
-            closure: Optional callable that re-evaluates the model and returns the loss.
-
-        Returns:
-            The closure's loss, or ``None`` without a closure.
-
-        Raises:
-            RuntimeError: If a gradient is sparse.
-        """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            mom = group["momentum"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                d = _dense_grad("LARS", p)
-                state = self.state[p]
-                if _is_adapted(p, group["adapt"]):
-                    d = d.add(p, alpha=group["weight_decay"])
-                    w_norm, d_norm = torch.linalg.vector_norm(p), torch.linalg.vector_norm(d)
-                    trust = _trust(w_norm, d_norm, group["trust_coefficient"] * w_norm / (d_norm + group["eps"]))
-                    d = d.mul(trust)
+    def _step_group(self, group: dict[str, Any]) -> None:
+        mom = group["momentum"]
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            d = _dense_grad("LARS", p)
+            state = self.state[p]
+            if _is_adapted(p, group["adapt"]):
+                d = d.add(p, alpha=group["weight_decay"])
+                w_norm, d_norm = torch.linalg.vector_norm(p), torch.linalg.vector_norm(d)
+                trust = _trust(w_norm, d_norm, group["trust_coefficient"] * w_norm / (d_norm + group["eps"]))
+                d = d.mul(trust)
+            else:
+                trust = torch.ones((), dtype=p.dtype, device=p.device)
+            state["trust_ratio"] = trust
+            if mom > 0:
+                buf = state.get("momentum_buffer")
+                if buf is None:
+                    buf = state["momentum_buffer"] = d.clone()
                 else:
-                    trust = torch.ones((), dtype=p.dtype, device=p.device)
-                state["trust_ratio"] = trust
-                if mom > 0:
-                    buf = state.get("momentum_buffer")
-                    if buf is None:
-                        buf = state["momentum_buffer"] = d.clone()
-                    else:
-                        buf.mul_(mom).add_(d)
-                    d = d.add(buf, alpha=mom) if group["nesterov"] else buf
-                p.add_(d, alpha=-group["lr"])
-        return loss
+                    buf.mul_(mom).add_(d)
+                d = d.add(buf, alpha=mom) if group["nesterov"] else buf
+            p.add_(d, alpha=-group["lr"])
 
 
 class LAMB(_Layerwise):
@@ -251,53 +258,35 @@ class LAMB(_Layerwise):
         _check("LAMB", "clamp_trust", ct, ct is None or ct > 0, "None or > 0")
         _check("LAMB", "adapt", g["adapt"], g["adapt"] in (None, True, False), "True, False or None")
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        """Perform one optimization step.
-
-        Args:
-            closure: Optional callable that re-evaluates the model and returns the loss.
-
-        Returns:
-            The closure's loss, or ``None`` without a closure.
-
-        Raises:
-            RuntimeError: If a gradient is sparse.
-        """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            b1, b2 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                g = _dense_grad("LAMB", p)
-                state = self.state[p]
-                if not state:
-                    state["step"] = 0
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["step"] += 1
-                t, m, v = state["step"], state["exp_avg"], state["exp_avg_sq"]
-                m.mul_(b1).add_(g, alpha=1 - b1)
-                v.mul_(b2).addcmul_(g, g, value=1 - b2)
-                c1, c2 = (1 - b1**t, 1 - b2**t) if group["bias_correction"] else (1.0, 1.0)
-                r = (m / c1) / ((v / c2).sqrt() + group["eps"])
-                if _is_adapted(p, group["adapt"]):
-                    r.add_(p, alpha=group["weight_decay"])
-                    w_norm, r_norm = torch.linalg.vector_norm(p), torch.linalg.vector_norm(r)
-                    ratio = w_norm / r_norm
-                    if group["clamp_trust"] is not None:
-                        ratio = ratio.clamp(max=group["clamp_trust"])
-                    trust = _trust(w_norm, r_norm, ratio)
-                    r.mul_(trust)
-                else:
-                    trust = torch.ones((), dtype=p.dtype, device=p.device)
-                state["trust_ratio"] = trust
-                p.add_(r, alpha=-group["lr"])
-        return loss
+    def _step_group(self, group: dict[str, Any]) -> None:
+        b1, b2 = group["betas"]
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            g = _dense_grad("LAMB", p)
+            state = self.state[p]
+            if not state:
+                state["step"] = 0
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["step"] += 1
+            t, m, v = state["step"], state["exp_avg"], state["exp_avg_sq"]
+            m.mul_(b1).add_(g, alpha=1 - b1)
+            v.mul_(b2).addcmul_(g, g, value=1 - b2)
+            c1, c2 = (1 - b1**t, 1 - b2**t) if group["bias_correction"] else (1.0, 1.0)
+            r = (m / c1) / ((v / c2).sqrt() + group["eps"])
+            if _is_adapted(p, group["adapt"]):
+                r.add_(p, alpha=group["weight_decay"])
+                w_norm, r_norm = torch.linalg.vector_norm(p), torch.linalg.vector_norm(r)
+                ratio = w_norm / r_norm
+                if group["clamp_trust"] is not None:
+                    ratio = ratio.clamp(max=group["clamp_trust"])
+                trust = _trust(w_norm, r_norm, ratio)
+                r.mul_(trust)
+            else:
+                trust = torch.ones((), dtype=p.dtype, device=p.device)
+            state["trust_ratio"] = trust
+            p.add_(r, alpha=-group["lr"])
 
 
 def exclude_bias_and_norm(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
