@@ -29,8 +29,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from steadytrain.data import DatasetWriter, ShardedDataset, open_dataset
-from steadytrain.data.schema import infer_schema
+from steadytrain.data import DatasetWriter, ShardedDataset, infer_schema, open_dataset
 
 SHARDS = 20
 

@@ -8,7 +8,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from steadytrain.data.schema import (
+from steadytrain.data import (
     FieldSpec,
     Schema,
     SchemaError,

@@ -102,8 +102,7 @@ def provenance_cmd(path: str, shard: int | None) -> None:
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="Where to write the YAML.")
 def infer_schema_cmd(path: str, shards_spec: str | None, categorical: tuple[str, ...], output: str) -> None:
     """Infer a schema (types, ranges, vocabularies) from healthy shards."""
-    from steadytrain.data import DatasetError
-    from steadytrain.data.schema import infer_schema
+    from steadytrain.data import DatasetError, infer_schema
 
     ds = _open(path)
     try:
@@ -123,8 +122,8 @@ def validate_cmd(path: str, schema_path: str | None, shards_spec: str | None) ->
 
     Without --schema, the schema is inferred from the shards whose provenance matches the majority.
     """
+    from steadytrain.data import Schema, SchemaError, infer_schema, validate
     from steadytrain.data.provenance import provenance_outliers
-    from steadytrain.data.schema import Schema, SchemaError, infer_schema, validate
 
     ds = _open(path)
     if schema_path is not None:

@@ -1,5 +1,14 @@
 """Sharded Parquet datasets with per-shard provenance, schema validation and deterministic rank assignment."""
 
+from steadytrain.data.checks import (
+    FieldViolation,
+    PolicyCounts,
+    ValidationReport,
+    apply_policy,
+    check_table,
+    infer_schema,
+    validate,
+)
 from steadytrain.data.format import (
     INDEX,
     CorruptShardError,
@@ -10,20 +19,7 @@ from steadytrain.data.format import (
     open_dataset,
 )
 from steadytrain.data.provenance import majority_provenance, provenance_differences, provenance_outliers
-from steadytrain.data.schema import (
-    POLICIES,
-    FieldSpec,
-    FieldViolation,
-    PolicyCounts,
-    Schema,
-    SchemaError,
-    SchemaViolationError,
-    ValidationReport,
-    apply_policy,
-    check_table,
-    infer_schema,
-    validate,
-)
+from steadytrain.data.schema import POLICIES, FieldSpec, Schema, SchemaError, SchemaViolationError
 from steadytrain.data.sharded import ShardedDataset, assign_shards, collate_examples
 
 __all__ = [

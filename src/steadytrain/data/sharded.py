@@ -21,8 +21,9 @@ import pyarrow as pa
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+from steadytrain.data.checks import PolicyCounts, apply_policy
 from steadytrain.data.format import CorruptShardError, Dataset, DatasetError, open_dataset
-from steadytrain.data.schema import POLICIES, PolicyCounts, apply_policy
+from steadytrain.data.schema import POLICIES
 
 __all__ = ["ShardedDataset", "assign_shards", "collate_examples"]
 
