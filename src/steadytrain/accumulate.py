@@ -372,9 +372,14 @@ class GradientAccumulator:
             if self.max_grad_norm is not None:
                 clip = torch.clamp(self.max_grad_norm / (norm + self.eps), max=1.0)
                 coef = clip if unit else factor * clip
-            norm_value = float(norm)  # the one host sync per optimizer step: skip/step must be decided
-        if cycle.use_items:
+        # The one host sync per optimizer step (skip or step must be decided): norm and item count together.
+        if need_norm and cycle.use_items:
+            norm_value, items = torch.stack([norm.to(total.dtype), total]).tolist()
+        elif need_norm:
+            norm_value = float(norm)
+        elif cycle.use_items:
             items = float(total)
+        if items is not None:
             self.items_seen += items
         self.last_grad_norm = norm_value
         if (
