@@ -184,11 +184,13 @@ class ShardedDataset(IterableDataset):
             loaded = self._load(order[pos])
             if loaded is not None:
                 table = self._prepare(order[pos], *loaded)
-                for start in range(self._row, table.num_rows, _ROWS_PER_CHUNK):
-                    rows = table.slice(start, _ROWS_PER_CHUNK).to_pylist()
+                start = self._row
+                for batch in table.slice(start).to_batches(_ROWS_PER_CHUNK):
+                    rows = batch.to_pylist()
                     it = iter(rows)
                     self._chunk = (start, len(rows), it)
                     yield from it  # C-level delegation: no Python work per example, one generator deep
+                    start += len(rows)
             self._shard_pos, self._row = pos + 1, 0
 
 
