@@ -8,6 +8,7 @@ Every check uses ``pyarrow.compute`` and NumPy: nothing loops over rows in Pytho
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
@@ -77,6 +78,30 @@ def _to_rows(mask: pa.Array | np.ndarray, rows: np.ndarray | None, n: int) -> np
     return out
 
 
+@functools.lru_cache(maxsize=256)
+def _value_set(vocabulary: tuple, t: pa.DataType) -> pa.Array:
+    """The vocabulary as an Arrow array, built once (building it per shard costs more than the check)."""
+    return pa.array(list(vocabulary), type=t)
+
+
+def _clean(values: pa.Array, spec: FieldSpec, is_float: bool) -> bool:
+    """True when nothing in ``values`` can violate ``spec``: one cheap pass, no masks (the common case)."""
+    if values.null_count:
+        return False
+    if is_float or pa.types.is_integer(values.type):
+        v = values.to_numpy(zero_copy_only=False)
+        if is_float and not np.isfinite(v).all():
+            return False
+        if len(v) and spec.min is not None and v.min() < spec.min:
+            return False
+        if len(v) and spec.max is not None and v.max() > spec.max:
+            return False
+    if spec.vocabulary is not None:
+        known = pc.is_in(values, value_set=_value_set(tuple(spec.vocabulary), values.type))
+        return bool(pc.all(known).as_py() is not False)
+    return True
+
+
 def _check_column(col: pa.ChunkedArray | None, spec: FieldSpec, n: int) -> dict[str, np.ndarray]:
     if col is None:
         return {"missing": np.ones(n, dtype=bool)} if spec.required else {}
@@ -86,6 +111,8 @@ def _check_column(col: pa.ChunkedArray | None, spec: FieldSpec, n: int) -> dict[
     masks = {"missing": _np(arr.is_null())} if spec.required and arr.null_count else {}
     values, rows = _flatten(arr)
     is_float = pa.types.is_floating(values.type)
+    if not masks and _clean(values, spec, is_float):
+        return {}
     inf = _np(pc.is_inf(values)) if is_float else None
     if is_float:
         masks["non_finite"] = _to_rows(
@@ -99,7 +126,7 @@ def _check_column(col: pa.ChunkedArray | None, spec: FieldSpec, n: int) -> dict[
             out |= _np(pc.greater(values, spec.max))
         masks["out_of_range"] = _to_rows(out & ~inf if is_float else out, rows, n)  # ±inf is non_finite only
     if spec.vocabulary is not None:
-        known = _np(pc.is_in(values, value_set=pa.array(spec.vocabulary, type=values.type)))
+        known = _np(pc.is_in(values, value_set=_value_set(tuple(spec.vocabulary), values.type)))
         masks["unexpected_category"] = _to_rows(~known & _np(values.is_valid()), rows, n)
     return masks
 
