@@ -41,11 +41,10 @@ def single_process_reference(world_size: int, max_norm: float) -> dict:
     return out
 
 
-def fsdp_worker(rank: int, world_size: int, out, max_norm: float) -> None:
-    from torch.distributed.device_mesh import init_device_mesh
+def sharded_backward(mesh, rank: int, world_size: int) -> list[nn.Parameter]:
+    """A fresh model, each layer and the root under ``fully_shard``, after backward on this rank's slice."""
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh("cpu", (world_size,))
     model = make_model()
     for layer in model:
         if any(True for _ in layer.parameters()):
@@ -55,17 +54,19 @@ def fsdp_worker(rank: int, world_size: int, out, max_norm: float) -> None:
     local = slice(4 * rank, 4 * (rank + 1))
     # FSDP2 averages gradients over ranks: the mean of local means = the global mean (equal sizes).
     nn.functional.mse_loss(model(x[local]), y[local]).backward()
-    params = list(model.parameters())
+    return list(model.parameters())
+
+
+def fsdp_worker(rank: int, world_size: int, out, max_norm: float) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    params = sharded_backward(mesh, rank, world_size)
     result = {f"norm{p}": global_grad_norm(params, p) for p in NORM_TYPES}
     # What a per-shard norm would have given (the bug users report): differs by rank.
     result["local_shard_norm"] = torch.linalg.vector_norm(torch.stack([q.grad.to_local().norm() for q in params]))
-    per_param_model = make_model()  # a second sharded copy for per-param clipping
-    for layer in per_param_model:
-        if any(True for _ in layer.parameters()):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(per_param_model, mesh=mesh)
-    nn.functional.mse_loss(per_param_model(x[local]), y[local]).backward()
-    result["per_param"] = clip_grad_per_param_norm_(list(per_param_model.parameters()), max_norm=1e9)
+    # A second sharded copy for per-parameter clipping.
+    result["per_param"] = clip_grad_per_param_norm_(sharded_backward(mesh, rank, world_size), max_norm=1e9)
     result["pre_clip"] = clip_grad_global_norm_(params, max_norm)
     result["clipped"] = [q.grad.full_tensor() for q in params]
     save(out, rank, result)

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from steadytrain._check import check_int
 from steadytrain.clip import clip_grad_value_, global_grad_norm, scale_grads_
 
 __all__ = [
@@ -127,6 +128,11 @@ class _Cycle:
     synced: bool = True  # the last micro-batch ran with gradient sync on
 
 
+def _is_one(x: Tensor | float) -> bool:
+    """A Python 1.0 (a tensor is never assumed to be one: checking it would sync with the device)."""
+    return isinstance(x, float) and x == 1.0
+
+
 def _find_fsdp_mesh(model: nn.Module):
     try:
         from torch.distributed.fsdp import FSDPModule
@@ -189,8 +195,7 @@ class GradientAccumulator:
         norm_type: float = 2.0,
         eps: float = 1e-6,
     ) -> None:
-        if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int) or accumulation_steps < 1:
-            raise ValueError(f"accumulation_steps={accumulation_steps!r} must be an integer >= 1")
+        check_int("accumulation_steps", accumulation_steps)
         if on_nonfinite not in ON_NONFINITE:
             raise ValueError(f"on_nonfinite={on_nonfinite!r} is unknown: use one of {', '.join(ON_NONFINITE)}")
         if max_grad_norm is not None and clip_value is not None:
@@ -216,6 +221,9 @@ class GradientAccumulator:
         else:
             self._dp_groups, self._dp_size = [], 1
         self._rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        # A non-finite norm stops the step (skip or raise); with a GradScaler it is its overflow signal.
+        self._guard = on_nonfinite != "ignore" or grad_scaler is not None
+        self._need_norm = max_grad_norm is not None or self._guard
         self._fused = (
             grad_scaler is None
             and getattr(optimizer, "_step_supports_amp_scaling", False)
@@ -342,8 +350,9 @@ class GradientAccumulator:
 
     def _global_items(self, items: int | float | Tensor) -> Tensor:
         dtype = torch.float32 if self._device.type == "mps" else torch.float64
-        total = items.detach().to(self._device, dtype).reshape(1) if isinstance(items, Tensor) else None
-        if total is None:
+        if isinstance(items, Tensor):
+            total = items.detach().to(self._device, dtype).reshape(1)
+        else:
             total = torch.tensor([float(items)], dtype=dtype, device=self._device)
         for group in self._dp_groups:  # one all-reduce per cycle (per mesh dimension)
             dist.all_reduce(total, group=group)
@@ -362,33 +371,27 @@ class GradientAccumulator:
             factor = self.accumulation_steps / cycle.micro
         if self.grad_scaler is not None:
             self.grad_scaler.unscale_(self.optimizer)
-        need_norm = self.max_grad_norm is not None or self.on_nonfinite != "ignore" or self.grad_scaler is not None
         norm_value = math.nan
         coef: Tensor | float = factor
-        if need_norm:
-            unit = isinstance(factor, float) and factor == 1.0  # a full cycle in mean mode: nothing to rescale
+        if self._need_norm:
             norm = global_grad_norm(self._params, self.norm_type)
-            norm = norm if unit else norm * factor
+            norm = norm if _is_one(factor) else norm * factor
             if self.max_grad_norm is not None:
                 clip = torch.clamp(self.max_grad_norm / (norm + self.eps), max=1.0)
-                coef = clip if unit else factor * clip
+                coef = clip if _is_one(factor) else factor * clip
         # The one host sync per optimizer step (skip or step must be decided): norm and item count together.
-        if need_norm and cycle.use_items:
+        if self._need_norm and cycle.use_items:
             norm_value, items = torch.stack([norm.to(total.dtype), total]).tolist()
-        elif need_norm:
+        elif self._need_norm:
             norm_value = float(norm)
         elif cycle.use_items:
             items = float(total)
         if items is not None:
             self.items_seen += items
         self.last_grad_norm = norm_value
-        if (
-            need_norm
-            and not math.isfinite(norm_value)
-            and (self.on_nonfinite != "ignore" or self.grad_scaler is not None)
-        ):
+        if self._guard and not math.isfinite(norm_value):
             return self._nonfinite(cycle, index, norm_value, items)
-        rescale = not (isinstance(coef, float) and coef == 1.0)
+        rescale = not _is_one(coef)
         folded = False
         if self.clip_value is not None:
             if rescale:

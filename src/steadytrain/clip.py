@@ -204,8 +204,10 @@ def global_grad_norm(
         >>> float(global_grad_norm([w, b]))
         13.0
     """
-    norm_type = _check_norm_type(norm_type)
-    grads = _grads(parameters)
+    return _total_norm(_grads(parameters), _check_norm_type(norm_type), process_group)
+
+
+def _total_norm(grads: list[Tensor], norm_type: float, process_group: dist.ProcessGroup | None) -> Tensor:
     if not grads:
         total = torch.zeros((), dtype=torch.float32)
     else:
@@ -284,11 +286,8 @@ def clip_grad_global_norm_(
     """
     if max_norm < 0:
         raise ValueError(f"max_norm={max_norm} must be >= 0")
-    if isinstance(parameters, Tensor):
-        parameters = [parameters]
-    parameters = list(parameters)
-    norm = global_grad_norm(parameters, norm_type, process_group=process_group)
-    grads = _grads(parameters)
+    grads = _grads(parameters)  # collected once: the norm and the scaling read the same list
+    norm = _total_norm(grads, _check_norm_type(norm_type), process_group)
     if grads:
         coef = torch.clamp(max_norm / (norm + eps), max=1.0)
         _scale_(grads, coef)

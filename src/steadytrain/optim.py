@@ -143,8 +143,7 @@ class LARS(_Layerwise):
             nesterov=nesterov,
             adapt=None,
         )
-        self._validate(defaults)
-        super().__init__(params, defaults)
+        super().__init__(params, defaults)  # add_param_group validates every group, defaults merged in
 
     @staticmethod
     def _validate(g: dict[str, Any]) -> None:
@@ -243,8 +242,7 @@ class LAMB(_Layerwise):
             bias_correction=bias_correction,
             adapt=None,
         )
-        self._validate(defaults)
-        super().__init__(params, defaults)
+        super().__init__(params, defaults)  # add_param_group validates every group, defaults merged in
 
     @staticmethod
     def _validate(g: dict[str, Any]) -> None:

@@ -11,6 +11,8 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
+from steadytrain._check import check_int
+
 if TYPE_CHECKING:  # torch is imported only where a scheduler is built: `steadytrain plan` stays fast.
     import torch
 
@@ -30,10 +32,12 @@ DECAYS = ("cosine", "linear", "constant")
 LARGE_SCALE_FACTOR = 8.0
 
 
-def _positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}={value!r} must be a positive integer")
-    return value
+def _check_warmup(warmup: object, total: int | None) -> int:
+    """Warmup length: an integer >= 0, in optimizer steps, not longer than the run."""
+    warmup = check_int("warmup_steps", warmup, 0, unit=" (counted in optimizer steps)")
+    if total is not None and warmup > total:
+        raise ValueError(f"warmup_steps={warmup} exceeds the run's {total} optimizer steps: shorten the warmup")
+    return warmup
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -48,9 +52,9 @@ def effective_batch_size(micro_batch_size: int, accumulation_steps: int, world_s
         1024
     """
     return (
-        _positive_int("micro_batch_size", micro_batch_size)
-        * _positive_int("accumulation_steps", accumulation_steps)
-        * _positive_int("world_size", world_size)
+        check_int("micro_batch_size", micro_batch_size)
+        * check_int("accumulation_steps", accumulation_steps)
+        * check_int("world_size", world_size)
     )
 
 
@@ -72,7 +76,7 @@ def scale_lr(base_lr: float, base_batch_size: int, batch_size: int, rule: str = 
         raise ValueError(f"scaling rule {rule!r} is unknown: use one of {', '.join(SCALING_RULES)}")
     if not base_lr > 0:
         raise ValueError(f"base_lr={base_lr} must be > 0")
-    k = _positive_int("batch_size", batch_size) / _positive_int("base_batch_size", base_batch_size)
+    k = check_int("batch_size", batch_size) / check_int("base_batch_size", base_batch_size)
     return base_lr * {"linear": k, "sqrt": math.sqrt(k), "none": 1.0}[rule]
 
 
@@ -83,9 +87,8 @@ def optimizer_steps(total_micro_batches: int, accumulation_steps: int) -> int:
         >>> optimizer_steps(10, 4)
         3
     """
-    if isinstance(total_micro_batches, bool) or not isinstance(total_micro_batches, int) or total_micro_batches < 0:
-        raise ValueError(f"total_micro_batches={total_micro_batches!r} must be an integer >= 0")
-    return _ceil_div(total_micro_batches, _positive_int("accumulation_steps", accumulation_steps))
+    check_int("total_micro_batches", total_micro_batches, 0)
+    return _ceil_div(total_micro_batches, check_int("accumulation_steps", accumulation_steps))
 
 
 def lr_multiplier(
@@ -147,11 +150,7 @@ def warmup_schedule(
         >>> [round(g["lr"], 6) for g in opt.param_groups]
         [0.002]
     """
-    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
-        raise ValueError(f"warmup_steps={warmup_steps!r} must be an integer >= 0 (counted in optimizer steps)")
-    _positive_int("total_steps", total_steps)
-    if warmup_steps > total_steps:
-        raise ValueError(f"warmup_steps={warmup_steps} exceeds total_steps={total_steps}: shorten the warmup")
+    _check_warmup(warmup_steps, check_int("total_steps", total_steps))
     if decay not in DECAYS:
         raise ValueError(f"decay={decay!r} is unknown: use one of {', '.join(DECAYS)}")
     if not 0.0 <= min_lr_ratio <= 1.0:
@@ -218,15 +217,15 @@ class BatchPlan:
     """Advice derived from the numbers (large scale-up, short warmup ...)."""
 
     def __post_init__(self) -> None:
-        micro = _positive_int("micro_batch_size", self.micro_batch_size)
-        world = _positive_int("world_size", self.world_size)
+        micro = check_int("micro_batch_size", self.micro_batch_size)
+        world = check_int("world_size", self.world_size)
         accum, global_batch = self.accumulation_steps, self.global_batch_size
         if accum is None and global_batch is None:
             accum = 1
         if accum is None:
-            global_batch = _positive_int("global_batch_size", global_batch)
+            global_batch = check_int("global_batch_size", global_batch)
             accum = self._derive_accumulation(global_batch, micro, world)
-        _positive_int("accumulation_steps", accum)
+        check_int("accumulation_steps", accum)
         product = effective_batch_size(micro, accum, world)
         if global_batch is not None and global_batch != product:
             raise ValueError(
@@ -267,7 +266,7 @@ class BatchPlan:
             self._set("lr", scale_lr(self.base_lr, global_batch, global_batch, "none"))
             notes.append("no base_batch_size: base_lr is used unscaled for the effective batch")
         else:
-            self._set("scale_factor", global_batch / _positive_int("base_batch_size", self.base_batch_size))
+            self._set("scale_factor", global_batch / check_int("base_batch_size", self.base_batch_size))
             self._set("lr", scale_lr(self.base_lr, self.base_batch_size, global_batch, self.scaling_rule))
             if self.scale_factor > LARGE_SCALE_FACTOR and self.scaling_rule != "none":
                 notes.append(
@@ -277,7 +276,7 @@ class BatchPlan:
         self._set("notes", tuple(notes))
 
     def _derive_steps(self, micro: int, accum: int, world: int) -> None:
-        epochs = _positive_int("epochs", self.epochs)
+        epochs = check_int("epochs", self.epochs)
         if self.warmup_steps is not None and self.warmup_ratio is not None:
             raise ValueError("give warmup_steps or warmup_ratio, not both")
         if self.warmup_ratio is not None and not 0.0 <= self.warmup_ratio <= 1.0:
@@ -288,9 +287,9 @@ class BatchPlan:
             if self.warmup_ratio is not None:
                 raise ValueError("warmup_ratio needs dataset_size to count the total steps: give dataset_size")
             if self.warmup_steps is not None:
-                self._check_warmup(self.warmup_steps, None)
+                _check_warmup(self.warmup_steps, None)
             return
-        size = _positive_int("dataset_size", self.dataset_size)
+        size = check_int("dataset_size", self.dataset_size)
         # Each rank gets ceil(size / world) examples (a distributed sampler pads the last ranks).
         micro_batches = _ceil_div(_ceil_div(size, world), micro)
         steps = optimizer_steps(micro_batches, accum)
@@ -300,15 +299,9 @@ class BatchPlan:
         if self.warmup_ratio is not None:
             self._set("warmup_steps", math.ceil(self.warmup_ratio * self.total_steps))
         if self.warmup_steps is not None:
-            self._check_warmup(self.warmup_steps, self.total_steps)
+            _check_warmup(self.warmup_steps, self.total_steps)
         if size < self.global_batch_size:
             self._set("notes", (*self.notes, f"dataset_size {size} < global batch {self.global_batch_size}"))
-
-    def _check_warmup(self, warmup: int, total: int | None) -> None:
-        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
-            raise ValueError(f"warmup_steps={warmup!r} must be an integer >= 0 (counted in optimizer steps)")
-        if total is not None and warmup > total:
-            raise ValueError(f"warmup_steps={warmup} exceeds the run's {total} optimizer steps: shorten the warmup")
 
     def lr_sweep(self, num: int = 5, factor: float = 2.0) -> list[float]:
         """Learning rates for a sweep centred on the scaled estimate: ``lr * factor**i``, geometric.
@@ -319,7 +312,7 @@ class BatchPlan:
         """
         if self.lr is None:
             raise ValueError("lr_sweep needs base_lr: give the LR tuned at base_batch_size")
-        _positive_int("num", num)
+        check_int("num", num)
         if not factor > 1.0:
             raise ValueError(f"factor={factor} must be > 1")
         half = (num - 1) / 2

@@ -22,6 +22,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from steadytrain._check import check_int
 from steadytrain._io import write_text_atomic
 
 __all__ = ["INDEX", "CorruptShardError", "Dataset", "DatasetError", "DatasetWriter", "ShardInfo", "open_dataset"]
@@ -232,8 +233,7 @@ class DatasetWriter:
         ids = {s["id"] for s in self._index["shards"]}
         if shard_id is None:
             shard_id = max(ids, default=-1) + 1
-        if isinstance(shard_id, bool) or not isinstance(shard_id, int) or shard_id < 0:
-            raise DatasetError(f"shard_id={shard_id!r} must be an integer >= 0")
+        check_int("shard_id", shard_id, 0)
         if shard_id in ids:
             raise DatasetError(f"{self.path}: shard {shard_id} exists already: shards are immutable, use a new id")
         table = records if isinstance(records, pa.Table) else self._table(records)

@@ -15,6 +15,8 @@ from typing import Any
 
 from packaging.utils import canonicalize_name as canonical_name
 
+from steadytrain.env.manifest import as_dict
+
 __all__ = ["canonical_name", "dockerfile", "image_tag", "lockfile", "parse_lockfile"]
 
 _PIN = re.compile(r"([A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?)\s*==\s*([A-Za-z0-9][A-Za-z0-9.+!_-]*)")
@@ -25,10 +27,6 @@ _DOMAIN = re.compile(
 _TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
 _DIGEST = re.compile(r"(?:sha256:)?([0-9a-f]{64})")
 _CONTEXT_PATH = re.compile(r"[A-Za-z0-9_.][A-Za-z0-9_./-]*")
-
-
-def _as_dict(manifest: Any) -> dict[str, Any]:
-    return manifest.to_dict() if hasattr(manifest, "to_dict") else manifest
 
 
 def _major_minor(version: str) -> str:
@@ -58,7 +56,7 @@ def lockfile(manifest: Any, *, only: set[str] | None = None, exclude: set[str] |
         numpy==2.4.6
         torch==2.13.0+cpu
     """
-    d = _as_dict(manifest)
+    d = as_dict(manifest)
     image, host = d.get("image") or {}, d.get("host") or {}
     packages = {canonical_name(k): v for k, v in (image.get("packages") or {}).items()}
     if only is not None:
@@ -139,7 +137,7 @@ def image_tag(manifest: Any, name: str, version: str) -> str:
         'training:v2.3.1-cpu-torch2.13.0'
     """
     _check_repository(name)
-    image = _as_dict(manifest).get("image") or {}
+    image = as_dict(manifest).get("image") or {}
     parts = [f"v{version.removeprefix('v')}"]
     if image.get("cuda"):
         parts.append(f"cuda{_major_minor(image['cuda'])}")
@@ -226,7 +224,7 @@ def dockerfile(
         >>> [line for line in text.splitlines() if line.startswith(("FROM", "CMD"))]
         ['FROM python:3.11.7-slim-bookworm', 'CMD ["train"]']
     """
-    d = _as_dict(manifest)
+    d = as_dict(manifest)
     image, code = d.get("image") or {}, d.get("code") or {}
     base = _pinned_base(base_image, base_digest)
     if _CONTEXT_PATH.fullmatch(workdir.strip("/") or ".") is None or not workdir.startswith("/"):

@@ -28,6 +28,7 @@ from typing import Any
 import yaml
 
 from steadytrain.env.build import canonical_name, parse_lockfile
+from steadytrain.env.manifest import as_dict
 
 __all__ = [
     "CUDA_MIN_DRIVER",
@@ -350,7 +351,7 @@ def check(manifest: Any, contract: Contract | Mapping[str, Any] | None = None) -
         >>> print(check(m)[0])
         NVIDIA driver 520.61.05 is too old for CUDA 12.1 in the image: CUDA 12.x needs driver >= 525.60.13
     """
-    d = manifest.to_dict() if hasattr(manifest, "to_dict") else manifest
+    d = as_dict(manifest)
     c = contract if isinstance(contract, Contract) else Contract.from_dict(contract)
     image, host = d.get("image") or {}, d.get("host") or {}
     out = _version_violations(d, c)

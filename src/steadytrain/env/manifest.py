@@ -277,6 +277,11 @@ class EnvManifest:
         return cls.from_dict(data, source=str(path))
 
 
+def as_dict(manifest: EnvManifest | dict[str, Any]) -> dict[str, Any]:
+    """The plain-dict form of a manifest, whether given an :class:`EnvManifest` or its ``to_dict()``."""
+    return manifest.to_dict() if hasattr(manifest, "to_dict") else manifest
+
+
 def capture(code_path: str | Path | None = None) -> EnvManifest:
     """Record the environment: image, host, code (git at ``code_path`` or the cwd) and settings.
 
@@ -330,8 +335,7 @@ def diff(a: EnvManifest | dict, b: EnvManifest | dict, *, ignore: set[str] | Non
         >>> [(d.scope, d.path) for d in diff(m, other)]
         [('host', 'host.nvidia_driver')]
     """
-    da = a.to_dict() if hasattr(a, "to_dict") else a
-    db = b.to_dict() if hasattr(b, "to_dict") else b
+    da, db = as_dict(a), as_dict(b)
     ignore = ignore or set()
     out: list[Difference] = []
     for scope in SCOPES:
