@@ -2,14 +2,41 @@
 
 from __future__ import annotations
 
+import math
+
+from steadytrain._io import brief
+from steadytrain.errors import UserError
+
 
 def check_int(name: str, value: object, minimum: int = 1, *, unit: str = "") -> int:
-    """``value`` if it is an integer (not a bool) ``>= minimum``, else a ValueError naming ``name``.
+    """``value`` if it is an integer (not a bool) ``>= minimum``, else a :class:`UserError` naming ``name``.
 
     Example:
         >>> check_int("accumulation_steps", 4)
         4
     """
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name}={value!r} must be an integer >= {minimum}{unit}")
+        raise UserError(f"{name}={brief(value)} must be an integer >= {minimum}{unit}")
     return value
+
+
+def check_finite(name: str, value: object, *, minimum: float | None = None, strict: bool = False) -> float:
+    """``value`` as a finite float (``> minimum`` if ``strict``, else ``>=``), or a :class:`UserError` naming ``name``.
+
+    Overflow (``10**400``), NaN, infinities, bools and non-numbers are all refused.
+
+    Example:
+        >>> check_finite("eps", 1e-6, minimum=0.0)
+        1e-06
+    """
+    if isinstance(value, bool):
+        raise UserError(f"{name}={value!r} must be a number, not a bool")
+    try:
+        out = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError, OverflowError):
+        raise UserError(f"{name}={brief(value)} is not a finite number") from None
+    if not math.isfinite(out):
+        raise UserError(f"{name}={brief(value)} is not a finite number")
+    if minimum is not None and (out <= minimum if strict else out < minimum):
+        raise UserError(f"{name}={brief(value)} must be {'>' if strict else '>='} {minimum}")
+    return out

@@ -9,6 +9,7 @@ import click
 from steadytrain.cli.data import data
 from steadytrain.cli.env import env
 from steadytrain.cli.plan import plan
+from steadytrain.errors import UserError
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -22,15 +23,29 @@ cli.add_command(env)
 cli.add_command(data)
 
 
+def one_line(message: str) -> str:
+    """``message`` on one line: newlines and other control characters shown escaped, never acted on.
+
+    Example:
+        >>> print(one_line("tag 'a" + chr(10) + "RUN x'"))
+        tag 'a\\nRUN x'
+    """
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in message)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point: click errors become one line on stderr and exit code 2."""
+    """Entry point: user errors (the library's :class:`UserError`, click's usage errors) become one
+    line on stderr and exit code 2; a real bug keeps its traceback."""
     try:
         rc = cli.main(args=argv, prog_name="steadytrain", standalone_mode=False)
     except click.exceptions.Abort:
         click.echo("aborted", err=True)
         return 130
     except click.ClickException as err:
-        click.echo(f"error: {err.format_message()}", err=True)
+        click.echo(f"error: {one_line(err.format_message())}", err=True)
+        return err.exit_code if err.exit_code in (1, 2) else 2
+    except UserError as err:
+        click.echo(f"error: {one_line(str(err))}", err=True)
         return 2
     return rc if isinstance(rc, int) else 0
 

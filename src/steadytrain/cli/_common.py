@@ -1,15 +1,14 @@
-"""Shared pieces of the command line: the console and the error that exits 2."""
+"""Shared pieces of the command line: the consoles and the error that exits 2."""
 
 from __future__ import annotations
 
-import click
 from rich.console import Console
 
-console = Console()
-err_console = Console(stderr=True)
+from steadytrain.errors import UserError
 
+# markup=False, highlight=False: data values (provenance, paths, field names) are printed verbatim,
+# never read as rich markup ("s3://bucket/[/data]") or recoloured.
+console = Console(markup=False, highlight=False, emoji=False)
+err_console = Console(stderr=True, markup=False, highlight=False, emoji=False)
 
-class UserError(click.ClickException):
-    """Bad input from the user: one line on stderr, exit code 2."""
-
-    exit_code = 2
+__all__ = ["UserError", "console", "err_console"]

@@ -6,6 +6,7 @@ import json
 
 import click
 from rich.table import Table
+from rich.text import Text
 
 from steadytrain.cli._common import UserError, console
 from steadytrain.schedule import SCALING_RULES, BatchPlan
@@ -37,7 +38,7 @@ def plan(sweep: int, as_json: bool, **kwargs) -> None:
         return
     console.print(_plan_table(batch_plan, lrs))
     for note in batch_plan.notes:
-        console.print(f"[yellow]note:[/] {note}")
+        console.print(Text.assemble(("note:", "yellow"), f" {note}"))
 
 
 def _plan_table(p: BatchPlan, lrs: list[float]) -> Table:

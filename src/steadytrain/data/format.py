@@ -24,6 +24,7 @@ import pyarrow.parquet as pq
 
 from steadytrain._check import check_int
 from steadytrain._io import write_text_atomic
+from steadytrain.errors import UserError
 
 __all__ = ["INDEX", "CorruptShardError", "Dataset", "DatasetError", "DatasetWriter", "ShardInfo", "open_dataset"]
 
@@ -33,7 +34,7 @@ VERSION = 1
 _SHARD_FILE = re.compile(r"shard-(\d+)\.parquet")
 
 
-class DatasetError(ValueError):
+class DatasetError(UserError):
     """A dataset directory or its index is malformed; the message names the file and the field."""
 
 

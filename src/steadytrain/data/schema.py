@@ -24,6 +24,7 @@ import pyarrow as pa
 import yaml
 
 from steadytrain._io import write_text_atomic
+from steadytrain.errors import UserError
 
 if TYPE_CHECKING:  # any object with ``shard_ids`` and ``read_shard(id) -> pa.Table`` will do
     pass
@@ -42,7 +43,7 @@ _VOCAB_TYPES = {"int": (int, "an integer"), "str": (str, "a string"), "bool": (b
 _PARSE = {"int": int, "str": str, "bool": {"true": True, "false": False}.__getitem__}
 
 
-class SchemaError(ValueError):
+class SchemaError(UserError):
     """A schema that cannot be used; the message names the file, the field, the value and what was expected."""
 
 

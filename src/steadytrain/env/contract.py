@@ -29,6 +29,7 @@ import yaml
 
 from steadytrain.env.build import canonical_name, parse_lockfile
 from steadytrain.env.manifest import as_dict
+from steadytrain.errors import UserError
 
 __all__ = [
     "CUDA_MIN_DRIVER",
@@ -111,7 +112,7 @@ def matches(version: str, spec: str) -> bool:
     return _key(parse_version(version), len(s)) == s
 
 
-class ContractError(ValueError):
+class ContractError(UserError):
     """A contract file or mapping that cannot be used: names the file, the field, the value and the fix."""
 
 

@@ -24,6 +24,7 @@ from typing import Any
 from packaging.utils import canonicalize_name
 
 from steadytrain._io import write_text_atomic
+from steadytrain.errors import UserError
 
 __all__ = [
     "SCOPES",
@@ -56,7 +57,7 @@ _SETTINGS_PREFIXES = ("NCCL_", "TORCH_NCCL_", "GLOO_")
 _IDENTITY = {"captured_at", "host.hostname"}
 
 
-class ManifestError(ValueError):
+class ManifestError(UserError):
     """A manifest file or dict is malformed; the message names the file and the field."""
 
 
