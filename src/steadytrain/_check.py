@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import math
+import numbers
 
 from steadytrain._io import brief
 from steadytrain.errors import UserError
 
 
-def check_int(name: str, value: object, minimum: int = 1, *, unit: str = "") -> int:
-    """``value`` if it is an integer (not a bool) ``>= minimum``, else a :class:`UserError` naming ``name``.
+def check_int(name: str, value: object, minimum: int = 1, *, unit: str = "", maximum: int | None = None) -> int:
+    """``value`` if it is an integer (not a bool) in ``[minimum, maximum]``, else a :class:`UserError` naming ``name``.
 
     Example:
         >>> check_int("accumulation_steps", 4)
@@ -17,6 +18,8 @@ def check_int(name: str, value: object, minimum: int = 1, *, unit: str = "") -> 
     """
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise UserError(f"{name}={brief(value)} must be an integer >= {minimum}{unit}")
+    if maximum is not None and value > maximum:
+        raise UserError(f"{name}={brief(value)} is too large: at most {maximum}{unit}")
     return value
 
 
@@ -29,8 +32,8 @@ def check_finite(name: str, value: object, *, minimum: float | None = None, stri
         >>> check_finite("eps", 1e-6, minimum=0.0)
         1e-06
     """
-    if isinstance(value, bool):
-        raise UserError(f"{name}={value!r} must be a number, not a bool")
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise UserError(f"{name}={brief(value)} must be a number ({type(value).__name__} given)")
     try:
         out = float(value)  # type: ignore[arg-type]
     except (TypeError, ValueError, OverflowError):

@@ -11,7 +11,8 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
-from steadytrain._check import check_int
+from steadytrain._check import check_finite, check_int
+from steadytrain.errors import UserError
 
 if TYPE_CHECKING:  # torch is imported only where a scheduler is built: `steadytrain plan` stays fast.
     import torch
@@ -30,13 +31,19 @@ SCALING_RULES = ("linear", "sqrt", "none")
 DECAYS = ("cosine", "linear", "constant")
 # Past this scale-up the linear rule is known to be unreliable (the seed; Goyal et al. 2017 stop at 32).
 LARGE_SCALE_FACTOR = 8.0
+MAX_COUNT = 2**53  # batch sizes, steps and data sizes stay exact as floats (LR ratios are floats)
+MAX_SWEEP = 1000
+
+
+def _count(name: str, value: object, minimum: int = 1, *, unit: str = "") -> int:
+    return check_int(name, value, minimum, unit=unit, maximum=MAX_COUNT)
 
 
 def _check_warmup(warmup: object, total: int | None) -> int:
     """Warmup length: an integer >= 0, in optimizer steps, not longer than the run."""
-    warmup = check_int("warmup_steps", warmup, 0, unit=" (counted in optimizer steps)")
+    warmup = _count("warmup_steps", warmup, 0, unit=" (counted in optimizer steps)")
     if total is not None and warmup > total:
-        raise ValueError(f"warmup_steps={warmup} exceeds the run's {total} optimizer steps: shorten the warmup")
+        raise UserError(f"warmup_steps={warmup} exceeds the run's {total} optimizer steps: shorten the warmup")
     return warmup
 
 
@@ -52,9 +59,9 @@ def effective_batch_size(micro_batch_size: int, accumulation_steps: int, world_s
         1024
     """
     return (
-        check_int("micro_batch_size", micro_batch_size)
-        * check_int("accumulation_steps", accumulation_steps)
-        * check_int("world_size", world_size)
+        _count("micro_batch_size", micro_batch_size)
+        * _count("accumulation_steps", accumulation_steps)
+        * _count("world_size", world_size)
     )
 
 
@@ -73,11 +80,13 @@ def scale_lr(base_lr: float, base_batch_size: int, batch_size: int, rule: str = 
         0.008
     """
     if rule not in SCALING_RULES:
-        raise ValueError(f"scaling rule {rule!r} is unknown: use one of {', '.join(SCALING_RULES)}")
-    if not base_lr > 0:
-        raise ValueError(f"base_lr={base_lr} must be > 0")
-    k = check_int("batch_size", batch_size) / check_int("base_batch_size", base_batch_size)
-    return base_lr * {"linear": k, "sqrt": math.sqrt(k), "none": 1.0}[rule]
+        raise UserError(f"scaling rule {rule!r} is unknown: use one of {', '.join(SCALING_RULES)}")
+    base_lr = check_finite("base_lr", base_lr, minimum=0.0, strict=True)
+    k = _count("batch_size", batch_size) / _count("base_batch_size", base_batch_size)
+    lr = base_lr * {"linear": k, "sqrt": math.sqrt(k), "none": 1.0}[rule]
+    if not (math.isfinite(lr) and lr > 0):
+        raise UserError(f"base_lr={base_lr:g} scaled {rule} by {k:g} gives lr={lr:g}: not a usable learning rate")
+    return lr
 
 
 def optimizer_steps(total_micro_batches: int, accumulation_steps: int) -> int:
@@ -87,8 +96,8 @@ def optimizer_steps(total_micro_batches: int, accumulation_steps: int) -> int:
         >>> optimizer_steps(10, 4)
         3
     """
-    check_int("total_micro_batches", total_micro_batches, 0)
-    return _ceil_div(total_micro_batches, check_int("accumulation_steps", accumulation_steps))
+    _count("total_micro_batches", total_micro_batches, 0)
+    return _ceil_div(total_micro_batches, _count("accumulation_steps", accumulation_steps))
 
 
 def lr_multiplier(
@@ -115,7 +124,7 @@ def lr_multiplier(
     elif decay == "linear":
         shape = 1.0 - progress
     else:
-        raise ValueError(f"decay={decay!r} is unknown: use one of {', '.join(DECAYS)}")
+        raise UserError(f"decay={decay!r} is unknown: use one of {', '.join(DECAYS)}")
     return min_lr_ratio + (1.0 - min_lr_ratio) * shape
 
 
@@ -150,11 +159,11 @@ def warmup_schedule(
         >>> [round(g["lr"], 6) for g in opt.param_groups]
         [0.002]
     """
-    _check_warmup(warmup_steps, check_int("total_steps", total_steps))
+    _check_warmup(warmup_steps, _count("total_steps", total_steps))
     if decay not in DECAYS:
-        raise ValueError(f"decay={decay!r} is unknown: use one of {', '.join(DECAYS)}")
-    if not 0.0 <= min_lr_ratio <= 1.0:
-        raise ValueError(f"min_lr_ratio={min_lr_ratio} must be in [0, 1]")
+        raise UserError(f"decay={decay!r} is unknown: use one of {', '.join(DECAYS)}")
+    if not 0.0 <= check_finite("min_lr_ratio", min_lr_ratio) <= 1.0:
+        raise UserError(f"min_lr_ratio={min_lr_ratio} must be in [0, 1]")
 
     import torch
 
@@ -217,18 +226,18 @@ class BatchPlan:
     """Advice derived from the numbers (large scale-up, short warmup ...)."""
 
     def __post_init__(self) -> None:
-        micro = check_int("micro_batch_size", self.micro_batch_size)
-        world = check_int("world_size", self.world_size)
+        micro = _count("micro_batch_size", self.micro_batch_size)
+        world = _count("world_size", self.world_size)
         accum, global_batch = self.accumulation_steps, self.global_batch_size
         if accum is None and global_batch is None:
             accum = 1
         if accum is None:
-            global_batch = check_int("global_batch_size", global_batch)
+            global_batch = _count("global_batch_size", global_batch)
             accum = self._derive_accumulation(global_batch, micro, world)
-        check_int("accumulation_steps", accum)
-        product = effective_batch_size(micro, accum, world)
+        _count("accumulation_steps", accum)
+        product = _count("effective batch (micro x accumulation x world)", effective_batch_size(micro, accum, world))
         if global_batch is not None and global_batch != product:
-            raise ValueError(
+            raise UserError(
                 f"global batch {global_batch} != micro {micro} x accum {accum} x world {world} (= {product}): "
                 "change one of them, or omit accumulation_steps to derive it"
             )
@@ -246,7 +255,7 @@ class BatchPlan:
         if global_batch % per_step:
             below, above = (global_batch // per_step) * per_step, (global_batch // per_step + 1) * per_step
             options = " or ".join(str(v) for v in (below, above) if v > 0)
-            raise ValueError(
+            raise UserError(
                 f"global batch {global_batch} is not divisible by micro {micro} x world {world} (= {per_step}): "
                 f"use a global batch of {options}, or another micro batch"
             )
@@ -254,11 +263,11 @@ class BatchPlan:
 
     def _derive_lr(self, global_batch: int) -> None:
         if self.scaling_rule not in SCALING_RULES:
-            raise ValueError(f"scaling_rule={self.scaling_rule!r} is unknown: use one of {', '.join(SCALING_RULES)}")
+            raise UserError(f"scaling_rule={self.scaling_rule!r} is unknown: use one of {', '.join(SCALING_RULES)}")
         notes: list[str] = []
         if self.base_lr is None:
             if self.base_batch_size is not None:
-                raise ValueError("base_batch_size is set but base_lr is not: give the LR tuned at that batch size")
+                raise UserError("base_batch_size is set but base_lr is not: give the LR tuned at that batch size")
             self._set("scale_factor", 1.0)
             self._set("lr", None)
         elif self.base_batch_size is None:
@@ -266,7 +275,7 @@ class BatchPlan:
             self._set("lr", scale_lr(self.base_lr, global_batch, global_batch, "none"))
             notes.append("no base_batch_size: base_lr is used unscaled for the effective batch")
         else:
-            self._set("scale_factor", global_batch / check_int("base_batch_size", self.base_batch_size))
+            self._set("scale_factor", global_batch / _count("base_batch_size", self.base_batch_size))
             self._set("lr", scale_lr(self.base_lr, self.base_batch_size, global_batch, self.scaling_rule))
             if self.scale_factor > LARGE_SCALE_FACTOR and self.scaling_rule != "none":
                 notes.append(
@@ -276,20 +285,20 @@ class BatchPlan:
         self._set("notes", tuple(notes))
 
     def _derive_steps(self, micro: int, accum: int, world: int) -> None:
-        epochs = check_int("epochs", self.epochs)
+        epochs = _count("epochs", self.epochs)
         if self.warmup_steps is not None and self.warmup_ratio is not None:
-            raise ValueError("give warmup_steps or warmup_ratio, not both")
-        if self.warmup_ratio is not None and not 0.0 <= self.warmup_ratio <= 1.0:
-            raise ValueError(f"warmup_ratio={self.warmup_ratio} must be in [0, 1]")
+            raise UserError("give warmup_steps or warmup_ratio, not both")
+        if self.warmup_ratio is not None and not 0.0 <= check_finite("warmup_ratio", self.warmup_ratio) <= 1.0:
+            raise UserError(f"warmup_ratio={self.warmup_ratio} must be in [0, 1]")
         if self.dataset_size is None:
             for name in ("micro_batches_per_epoch", "steps_per_epoch", "total_steps"):
                 self._set(name, None)
             if self.warmup_ratio is not None:
-                raise ValueError("warmup_ratio needs dataset_size to count the total steps: give dataset_size")
+                raise UserError("warmup_ratio needs dataset_size to count the total steps: give dataset_size")
             if self.warmup_steps is not None:
                 _check_warmup(self.warmup_steps, None)
             return
-        size = check_int("dataset_size", self.dataset_size)
+        size = _count("dataset_size", self.dataset_size)
         # Each rank gets ceil(size / world) examples (a distributed sampler pads the last ranks).
         micro_batches = _ceil_div(_ceil_div(size, world), micro)
         steps = optimizer_steps(micro_batches, accum)
@@ -311,12 +320,21 @@ class BatchPlan:
             [0.004, 0.008, 0.016]
         """
         if self.lr is None:
-            raise ValueError("lr_sweep needs base_lr: give the LR tuned at base_batch_size")
-        check_int("num", num)
-        if not factor > 1.0:
-            raise ValueError(f"factor={factor} must be > 1")
+            raise UserError("lr_sweep needs base_lr: give the LR tuned at base_batch_size")
+        check_int("num", num, maximum=MAX_SWEEP)
+        if not check_finite("factor", factor) > 1.0:
+            raise UserError(f"factor={factor} must be > 1")
         half = (num - 1) / 2
-        return [self.lr * factor ** (i - half) for i in range(num)]
+        try:
+            lrs = [self.lr * factor ** (i - half) for i in range(num)]
+        except OverflowError:
+            lrs = [math.inf]
+        if not all(math.isfinite(x) and x > 0 for x in lrs):
+            raise UserError(
+                f"an LR sweep of {num} points x{factor:g} apart around {self.lr:g} leaves the float range: "
+                "use fewer points or a smaller factor"
+            )
+        return lrs
 
     def to_dict(self) -> dict:
         """Every input and derived number, JSON-serializable."""

@@ -8,8 +8,8 @@ import click
 from rich.table import Table
 from rich.text import Text
 
-from steadytrain.cli._common import UserError, console
-from steadytrain.schedule import SCALING_RULES, BatchPlan
+from steadytrain.cli._common import console
+from steadytrain.schedule import MAX_SWEEP, SCALING_RULES, BatchPlan
 
 
 @click.command()
@@ -24,17 +24,20 @@ from steadytrain.schedule import SCALING_RULES, BatchPlan
 @click.option("--epochs", type=int, default=1, show_default=True)
 @click.option("--warmup-steps", type=int, default=None, help="Warmup in optimizer steps.")
 @click.option("--warmup-ratio", type=float, default=None, help="Warmup as a fraction of all optimizer steps.")
-@click.option("--sweep", type=int, default=5, show_default=True, help="LRs in the suggested sweep (0: none).")
+@click.option(
+    "--sweep",
+    type=click.IntRange(0, MAX_SWEEP),
+    default=5,
+    show_default=True,
+    help="LRs in the suggested sweep (0: none).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
 def plan(sweep: int, as_json: bool, **kwargs) -> None:
     """Effective batch, scaled learning rate, and step counts (in optimizer steps) of a run."""
-    try:
-        batch_plan = BatchPlan(**kwargs)
-        lrs = batch_plan.lr_sweep(sweep) if sweep and batch_plan.lr is not None else []
-    except ValueError as err:
-        raise UserError(str(err)) from err
+    batch_plan = BatchPlan(**kwargs)  # a UserError names the field, the value and the fix
+    lrs = batch_plan.lr_sweep(sweep) if sweep and batch_plan.lr is not None else []
     if as_json:
-        click.echo(json.dumps({**batch_plan.to_dict(), "lr_sweep": lrs}, indent=2))
+        click.echo(json.dumps({**batch_plan.to_dict(), "lr_sweep": lrs}, indent=2, allow_nan=False))
         return
     console.print(_plan_table(batch_plan, lrs))
     for note in batch_plan.notes:
