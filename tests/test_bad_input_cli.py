@@ -13,7 +13,7 @@ import pytest
 
 from steadytrain import _io
 from steadytrain._check import check_finite, check_int
-from steadytrain.cli import one_line
+from steadytrain._io import one_line
 from steadytrain.errors import UserError
 from steadytrain.schedule import BatchPlan, scale_lr
 

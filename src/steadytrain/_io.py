@@ -42,6 +42,16 @@ def brief(value: object) -> str:
     return _repr.repr(value)
 
 
+def one_line(value: object) -> str:
+    r"""``str(value)`` with newlines and other control characters escaped: a value never starts a new line.
+
+    Example:
+        >>> print(one_line("6.1" + chr(10) + "image identical"))
+        6.1\nimage identical
+    """
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(value))
+
+
 def utc_now() -> str:
     """The current time in UTC, ISO 8601 to the second."""
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")

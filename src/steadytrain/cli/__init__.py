@@ -6,6 +6,7 @@ import sys
 
 import click
 
+from steadytrain._io import one_line
 from steadytrain.cli.data import data
 from steadytrain.cli.env import env
 from steadytrain.cli.plan import plan
@@ -21,16 +22,6 @@ def cli() -> None:
 cli.add_command(plan)
 cli.add_command(env)
 cli.add_command(data)
-
-
-def one_line(message: str) -> str:
-    """``message`` on one line: newlines and other control characters shown escaped, never acted on.
-
-    Example:
-        >>> print(one_line("tag 'a" + chr(10) + "RUN x'"))
-        tag 'a\\nRUN x'
-    """
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in message)
 
 
 def main(argv: list[str] | None = None) -> int:

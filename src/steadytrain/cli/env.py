@@ -1,4 +1,8 @@
-"""``steadytrain env``: capture, diff, check, lock, dockerfile, tag."""
+"""``steadytrain env``: capture, diff, check, lock, dockerfile, tag.
+
+Every bad input is a :class:`~steadytrain.errors.UserError` raised by the library (a file, a field, a
+flag) and printed by ``steadytrain.cli.main`` as one line, exit 2; exit 1 means "checked, found problems".
+"""
 
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ from pathlib import Path
 import click
 from rich.table import Table
 
-from steadytrain._io import write_text_atomic
+from steadytrain._io import brief, write_text_atomic
 from steadytrain.cli._common import UserError, console
 
 
@@ -17,19 +21,14 @@ def _emit(text: str, output: str | None, what: str) -> None:
     if output is None:
         sys.stdout.write(text)
     else:
-        write_text_atomic(output, text)
+        write_text_atomic(output, text)  # a missing directory is a UserError; nothing half-written
         click.echo(f"wrote {what} to {output}", err=True)
 
 
 def _manifest(path: str | None):
-    from steadytrain.env import EnvManifest, ManifestError, capture
+    from steadytrain.env import EnvManifest, capture
 
-    if path is None:
-        return capture()
-    try:
-        return EnvManifest.load(path)
-    except ManifestError as err:
-        raise UserError(str(err)) from err
+    return capture() if path is None else EnvManifest.load(path)
 
 
 @click.group()
@@ -47,10 +46,11 @@ def capture_cmd(output: str | None) -> None:
 
 
 @env.command("diff")
-@click.argument("a", type=click.Path(exists=True, dir_okay=False))
-@click.argument("b", type=click.Path(exists=True, dir_okay=False))
+@click.argument("a", type=click.Path(dir_okay=False))
+@click.argument("b", type=click.Path(dir_okay=False))
 def diff_cmd(a: str, b: str) -> None:
     """Differences between two manifests, grouped by scope; exit 1 if any."""
+    from steadytrain._io import one_line
     from steadytrain.env import SCOPES, diff, summarize
 
     diffs = diff(_manifest(a), _manifest(b))
@@ -60,10 +60,10 @@ def diff_cmd(a: str, b: str) -> None:
             continue
         table = Table(title=f"{scope} ({len(mine)})", title_justify="left")
         table.add_column("field")
-        table.add_column(Path(a).name)
-        table.add_column(Path(b).name)
+        table.add_column(one_line(Path(a).name))
+        table.add_column(one_line(Path(b).name))
         for d in mine:
-            table.add_row(d.path.split(".", 1)[1], str(d.a), str(d.b))
+            table.add_row(one_line(d.path.split(".", 1)[1]), one_line(d.a), one_line(d.b))
         console.print(table)
     click.echo(summarize(diffs))  # one line, never wrapped: scripts read it
     if diffs:
@@ -75,21 +75,16 @@ def diff_cmd(a: str, b: str) -> None:
 @click.option("--manifest", "manifest_path", type=click.Path(dir_okay=False), help="A saved manifest (else capture).")
 def check_cmd(contract_path: str, manifest_path: str | None) -> None:
     """Check the environment against a contract (validated driver, kernel, CUDA, packages); exit 1 on violation."""
-    from steadytrain.env import Contract, ContractError, check
+    from steadytrain._io import one_line
+    from steadytrain.env import Contract, check
 
-    if not Path(contract_path).exists():
-        raise UserError(f"{contract_path}: no such contract file")
-    try:
-        contract = Contract.load(contract_path)
-    except ContractError as err:
-        raise UserError(str(err)) from err
-    violations = check(_manifest(manifest_path), contract)
+    violations = check(_manifest(manifest_path), Contract.load(contract_path))
     for v in violations:
-        click.echo(f"violation: {v.message}")
+        click.echo(f"violation: {one_line(v.message)}")
     if violations:
-        click.echo(f"{len(violations)} violation(s) of {contract_path}")
+        click.echo(f"{len(violations)} violation(s) of {one_line(contract_path)}")
         raise click.exceptions.Exit(1)
-    click.echo(f"ok: the environment satisfies {contract_path}")
+    click.echo(f"ok: the environment satisfies {one_line(contract_path)}")
 
 
 @env.command("lock")
@@ -99,16 +94,22 @@ def check_cmd(contract_path: str, manifest_path: str | None) -> None:
 def lock_cmd(output: str | None, manifest_path: str | None, roots: tuple[str, ...]) -> None:
     """``name==version`` for every installed distribution (or the closure of --for)."""
     from steadytrain.env import lockfile
-    from steadytrain.env.manifest import requirement_closure
+    from steadytrain.env.lockfile import requirement_closure
 
+    if roots and manifest_path is not None:
+        raise UserError(
+            "--for and --manifest cannot be combined: --for follows the requirements of the distributions "
+            "installed here, which a saved manifest does not record; drop --manifest (lock this environment) "
+            "or drop --for (lock every package of the manifest)"
+        )
     manifest = _manifest(manifest_path)
     only = exclude = None
     if roots:
         try:
             only = requirement_closure(roots)
         except KeyError as err:
-            raise UserError(f"--for {err.args[0]}: not installed in this environment") from err
-        exclude = {r.lower() for r in roots}  # the project itself is installed from source, not pinned
+            raise UserError(f"--for {brief(err.args[0])}: not installed in this environment") from None
+        exclude = set(roots)  # the project itself is installed from source, not pinned
     _emit(lockfile(manifest, only=only, exclude=exclude), output, "the lockfile")
 
 
@@ -124,17 +125,14 @@ def dockerfile_cmd(base_image, base_digest, tag, lockfile_path, contract_path, m
     """A Dockerfile: pinned base, lockfile installed --no-deps, commit label, contract checked at start."""
     from steadytrain.env import dockerfile
 
-    try:
-        text = dockerfile(
-            _manifest(manifest_path),
-            base_image=base_image,
-            base_digest=base_digest,
-            lockfile_path=lockfile_path,
-            contract_path=contract_path,
-            tag=tag,
-        )
-    except ValueError as err:
-        raise UserError(str(err)) from err
+    text = dockerfile(
+        _manifest(manifest_path),
+        base_image=base_image,
+        base_digest=base_digest,
+        lockfile_path=lockfile_path,
+        contract_path=contract_path,
+        tag=tag,
+    )
     _emit(text, output, "the Dockerfile")
 
 
@@ -146,7 +144,4 @@ def tag_cmd(name: str, version: str, manifest_path: str | None) -> None:
     """The image tag: name:vVERSION-cudaX.Y-cudnnA.B-torchT (or -cpu-torchT)."""
     from steadytrain.env import image_tag
 
-    try:
-        click.echo(image_tag(_manifest(manifest_path), name, version))
-    except ValueError as err:
-        raise UserError(str(err)) from err
+    click.echo(image_tag(_manifest(manifest_path), name, version))

@@ -1,123 +1,37 @@
-"""Reproducible images from a manifest: the lockfile, the image tag and the Dockerfile.
+"""Reproducible images from a manifest: the image tag and the Dockerfile (the lockfile is in :mod:`.lockfile`).
 
 The image pins what lives inside it: the base OS (by tag, and by digest when given), Python, every
 distribution at its exact version (installed with ``--no-deps``, so nothing is re-resolved) and the
 code at a commit. The host's NVIDIA driver and kernel cannot be pinned by an image; the generated
 entrypoint runs ``steadytrain env check`` against the contract before anything else.
+
+Nothing reaches the Dockerfile unchecked: every value from the manifest or an argument is matched
+against its grammar (:mod:`.grammar`) first, shell commands are exec-form JSON or ``shlex``-quoted,
+and comments carry only checked values, so no input can add an instruction.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import shlex
 from pathlib import PurePosixPath
 from typing import Any
 
-from packaging.utils import canonicalize_name as canonical_name
-
-from steadytrain.env.manifest import as_dict
+from steadytrain._io import brief
+from steadytrain.env import grammar
+from steadytrain.env._schema import as_dict, source_of
+from steadytrain.env.lockfile import canonical_name, lockfile, parse_lockfile
+from steadytrain.errors import UserError
 
 __all__ = ["canonical_name", "dockerfile", "image_tag", "lockfile", "parse_lockfile"]
 
-_PIN = re.compile(r"([A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?)\s*==\s*([A-Za-z0-9][A-Za-z0-9.+!_-]*)")
-_NAME_PART = re.compile(r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*")  # Docker repository path component
-_DOMAIN = re.compile(
-    r"[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?)*(?::[0-9]+)?"
-)
-_TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
-_DIGEST = re.compile(r"(?:sha256:)?([0-9a-f]{64})")
 _CONTEXT_PATH = re.compile(r"[A-Za-z0-9_.][A-Za-z0-9_./-]*")
+_TAG_CHARS = re.compile(r"[A-Za-z0-9_.-]{1,128}")
 
 
 def _major_minor(version: str) -> str:
     return ".".join(version.split("+")[0].split(".")[:2])
-
-
-def lockfile(manifest: Any, *, only: set[str] | None = None, exclude: set[str] | None = None) -> str:
-    """``name==version`` for every distribution in the manifest's image, sorted, under a provenance header.
-
-    Pass ``exclude={"steadytrain"}`` (the project itself) for a Dockerfile that installs the project
-    from its source: that version is not on any index.
-
-    Args:
-        manifest: an ``EnvManifest`` or its ``to_dict()`` form.
-        only: keep just these distributions (any spelling of the names).
-        exclude: drop these distributions.
-
-    Raises:
-        ValueError: ``only`` names a distribution the manifest does not have.
-
-    Example:
-        >>> m = {"image": {"python": "3.11.7", "packages": {"torch": "2.13.0+cpu", "numpy": "2.4.6"}}}
-        >>> print(lockfile(m), end="")
-        # steadytrain lockfile
-        # python 3.11.7
-        # torch none, cuda none
-        numpy==2.4.6
-        torch==2.13.0+cpu
-    """
-    d = as_dict(manifest)
-    image, host = d.get("image") or {}, d.get("host") or {}
-    packages = {canonical_name(k): v for k, v in (image.get("packages") or {}).items()}
-    if only is not None:
-        wanted = {canonical_name(n) for n in only}
-        if wanted - packages.keys():
-            raise ValueError(f"only={sorted(wanted - packages.keys())} are not installed in the manifest's image")
-        packages = {k: v for k, v in packages.items() if k in wanted}
-    for name in exclude or ():
-        packages.pop(canonical_name(name), None)
-    pretty = ((image.get("os") or {}).get("pretty_name")) or None
-    where = " ".join(x for x in (host.get("platform"), f"({pretty})" if pretty else None) if x)
-    torch_line = f"# torch {image.get('torch') or 'none'}, cuda {image.get('cuda') or 'none'}"
-    lines = ["# steadytrain lockfile", f"# python {image.get('python') or 'unknown'}" + (f", {where}" if where else "")]
-    lines.append(torch_line + (f", cudnn {image['cudnn']}" if image.get("cudnn") else ""))
-    lines += [f"{name}=={packages[name]}" for name in sorted(packages)]
-    return "\n".join(lines) + "\n"
-
-
-def parse_lockfile(text: str) -> dict[str, str]:
-    """The pins of a lockfile: canonical name -> exact version. Comments and blank lines are ignored.
-
-    Raises:
-        ValueError: a line that is not ``name==version``, or a name pinned twice (names the line number).
-
-    Example:
-        >>> parse_lockfile("# header\\nNumPy==2.4.6\\ntorch==2.1.0+cu121  # from the cu121 index\\n")
-        {'numpy': '2.4.6', 'torch': '2.1.0+cu121'}
-    """
-    out: dict[str, str] = {}
-    for n, raw in enumerate(text.splitlines(), start=1):
-        line = raw.split(" #")[0].strip() if not raw.lstrip().startswith("#") else ""
-        if not line:
-            continue
-        m = _PIN.fullmatch(line)
-        if m is None:
-            raise ValueError(f"lockfile line {n}: expected 'name==version', got {raw.strip()!r}")
-        name = canonical_name(m.group(1))
-        if name in out:
-            raise ValueError(f"lockfile line {n}: {name} is pinned twice ({out[name]} and {m.group(2)})")
-        out[name] = m.group(2)
-    return out
-
-
-def _check_repository(name: str) -> None:
-    parts = name.split("/")
-    first_is_domain = len(parts) > 1 and ("." in parts[0] or ":" in parts[0] or parts[0] == "localhost")
-    ok = len(name) <= 255 and (not first_is_domain or _DOMAIN.fullmatch(parts[0]) is not None)
-    if not ok or not all(_NAME_PART.fullmatch(p) for p in parts[1 if first_is_domain else 0 :]):
-        raise ValueError(
-            f"image name {name!r} is not a valid Docker repository name: use lower-case letters, digits and "
-            "'.', '_', '-' between them, '/' between path components (an optional registry host first), no tag"
-        )
-
-
-def _split_reference(ref: str) -> tuple[str, str | None]:
-    """``repo:tag`` -> (repo, tag); a ``:`` before the last ``/`` is a registry port, not a tag."""
-    head, _, last = ref.rpartition("/")
-    if ":" in last:
-        last, tag = last.split(":", 1)
-        return (f"{head}/{last}" if head else last), tag
-    return ref, None
 
 
 def image_tag(manifest: Any, name: str, version: str) -> str:
@@ -127,7 +41,8 @@ def image_tag(manifest: Any, name: str, version: str) -> str:
     without CUDA the stack part reads ``cpu``.
 
     Raises:
-        ValueError: ``name`` is not a Docker repository name, or the tag is not a Docker tag.
+        UserError: ``name`` is not a Docker repository name, the tag is not a Docker tag, or the
+            manifest's torch/CUDA/cuDNN version breaks its grammar.
 
     Example:
         >>> m = {"image": {"cuda": "12.1", "cudnn": "8.9.2", "torch": "2.1.0+cu121"}}
@@ -136,62 +51,108 @@ def image_tag(manifest: Any, name: str, version: str) -> str:
         >>> image_tag({"image": {"torch": "2.13.0+cpu"}}, "training", "v2.3.1")
         'training:v2.3.1-cpu-torch2.13.0'
     """
-    _check_repository(name)
-    image = as_dict(manifest).get("image") or {}
-    parts = [f"v{version.removeprefix('v')}"]
-    if image.get("cuda"):
-        parts.append(f"cuda{_major_minor(image['cuda'])}")
-        if image.get("cudnn"):
-            parts.append(f"cudnn{_major_minor(str(image['cudnn']))}")
+    grammar.repository("name", name)
+    stack = grammar.image_stack(as_dict(manifest).get("image") or {}, source_of(manifest))
+    if not isinstance(version, str):
+        raise UserError(f"version={brief(version)} must be a string, like '2.3.1'")
+    release = version.removeprefix("v")
+    if not release:
+        raise UserError(f"version={brief(version)} is empty: give the release, like '2.3.1'")
+    if _TAG_CHARS.fullmatch(release) is None:
+        raise UserError(f"version={brief(version)} is not part of a Docker tag: use [A-Za-z0-9_.-], like '2.3.1'")
+    parts = [f"v{release}"]
+    if stack["cuda"]:
+        parts.append(f"cuda{_major_minor(stack['cuda'])}")
+        if stack["cudnn"]:
+            parts.append(f"cudnn{_major_minor(stack['cudnn'])}")
     else:
         parts.append("cpu")
-    if image.get("torch"):
-        parts.append(f"torch{image['torch'].split('+')[0]}")
+    if stack["torch"]:
+        parts.append(f"torch{stack['torch'].split('+')[0]}")
     tag = "-".join(parts)
-    if not version.removeprefix("v"):
-        raise ValueError(f"version={version!r} is empty: give the release, like '2.3.1'")
-    if _TAG.fullmatch(tag) is None:
-        raise ValueError(f"image tag {tag!r} (from version {version!r}) is not a Docker tag: [A-Za-z0-9_.-], <= 128")
+    try:
+        grammar.tag("tag", tag)
+    except UserError:  # version is short and plain here (checked above): quote it whole
+        raise UserError(
+            f"image tag {tag!r} (from version {version!r}) is not a Docker tag: [A-Za-z0-9_.-], <= 128"
+        ) from None
     return f"{name}:{tag}"
 
 
 def _context_path(what: str, path: str) -> str:
-    if _CONTEXT_PATH.fullmatch(path) is None or ".." in PurePosixPath(path).parts:
-        raise ValueError(f"{what}={path!r} must be a relative path inside the build context, without spaces")
+    if not isinstance(path, str) or _CONTEXT_PATH.fullmatch(path) is None or ".." in PurePosixPath(path).parts:
+        raise UserError(f"{what}={brief(path)} must be a relative path inside the build context, without spaces")
+    return path
+
+
+def _workdir(path: object) -> str:
+    if not isinstance(path, str) or not path.startswith("/") or not _CONTEXT_PATH.fullmatch(path.strip("/") or "."):
+        raise UserError(f"workdir={brief(path)} must be an absolute path without spaces")
     return path
 
 
 def _pinned_base(base_image: str, base_digest: str | None) -> str:
     """``FROM`` operand: ``repo:tag``, ``repo@digest`` or ``repo:tag@digest``; refuses an unpinned base."""
-    repo, base_tag = _split_reference(base_image.split("@")[0])
-    digest = base_image.split("@", 1)[1] if "@" in base_image else None
+    ref = grammar.image_reference("base_image", base_image)
+    digest = ref.digest
     if base_digest is not None:
-        m = _DIGEST.fullmatch(base_digest.strip())
-        if m is None:
-            raise ValueError(f"base_digest={base_digest!r} must be 'sha256:' followed by 64 lower-case hex digits")
-        if digest is not None and digest != f"sha256:{m.group(1)}":
-            raise ValueError(f"base_image {base_image!r} already carries a different digest than {base_digest!r}")
-        digest = f"sha256:{m.group(1)}"
-    if digest is None and base_tag in (None, "latest"):
-        raise ValueError(
-            f"base_image={base_image!r} is not pinned, so the image is not reproducible: "
+        given = base_digest.strip() if isinstance(base_digest, str) else base_digest
+        given = grammar.digest("base_digest", f"sha256:{given}" if re.fullmatch("[0-9a-f]{64}", str(given)) else given)
+        if digest is not None and digest != given:
+            raise UserError(f"base_image {brief(base_image)} already carries a different digest than {given}")
+        digest = given
+    if digest is None and ref.tag in (None, "latest"):
+        raise UserError(
+            f"base_image={brief(base_image)} is not pinned, so the image is not reproducible: "
             "name a tag (python:3.11.7-slim-bookworm) and preferably pass base_digest"
         )
-    base = f"{repo}:{base_tag}" if base_tag else repo
-    return f"{base}@{digest}" if digest else base
+    return str(grammar.ImageReference(ref.repository, ref.tag, digest))
 
 
-def _labels(commit: str | None, dirty: bool, tag: str | None) -> dict[str, str]:
+def _labels(commit: str | None, dirty: bool, tag: grammar.ImageReference | None) -> dict[str, str]:
     labels = {"org.opencontainers.image.revision": commit} if commit else {}
     if tag:
-        repo, version = _split_reference(tag)
-        _check_repository(repo)
-        labels["org.opencontainers.image.title"] = repo.rsplit("/", 1)[-1]
-        if version:
-            labels["org.opencontainers.image.version"] = version
+        labels["org.opencontainers.image.title"] = tag.repository.rsplit("/", 1)[-1]
+        if tag.tag:
+            labels["org.opencontainers.image.version"] = tag.tag
     if dirty:
         labels["steadytrain.git.dirty"] = "true"  # built from uncommitted changes: the revision is not all of it
     return labels
+
+
+def _python_check(python: str) -> str:
+    """``RUN`` in exec form (no shell) that fails the build when the base's Python minor is not ``python``'s."""
+    want, note = f"{_major_minor(python)}.", f", the lockfile was captured on {python}"
+    script = (
+        "import platform, sys; v = platform.python_version(); "
+        f"sys.exit(0 if v.startswith({want!r}) else 'base image has Python ' + v + {note!r})"
+    )
+    return "RUN " + json.dumps(["python", "-c", script])
+
+
+def _checked(manifest: Any) -> dict[str, Any]:
+    """What the Dockerfile takes from the manifest, each value checked against its grammar."""
+    d, where = as_dict(manifest), source_of(manifest)
+    code = d.get("code") or {}
+    commit = code.get("git_commit")
+    return {
+        "stack": grammar.image_stack(d.get("image") or {}, where),
+        "commit": None if commit is None else grammar.git_commit(f"{where}: code.git_commit", commit),
+        "dirty": code.get("git_dirty") is True,
+        "captured": grammar.timestamp(f"{where}: captured_at", d["captured_at"]) if d.get("captured_at") else None,
+    }
+
+
+def _header(stack: dict[str, Any], commit: str | None, dirty: bool, captured: str | None, contract: str) -> list[str]:
+    """The comment block: only checked values (a timestamp, versions, a commit) appear in it."""
+    inside = ", ".join(f"{k} {stack[k] or ('unknown' if k == 'python' else 'none')}" for k in stack)
+    return [
+        f"# Generated by `steadytrain env dockerfile`{f' from a manifest captured {captured}' if captured else ''}.",
+        f"# Inside the image: {inside}; code {commit or 'unknown'}{' (dirty tree)' if dirty else ''}.",
+        "# NOT pinned by the image: the host's NVIDIA driver and kernel. The entrypoint's",
+        f"# `steadytrain env check --contract {contract}` covers them at every container start.",
+        "# Keep .venv/ and .git/ out of the build context with a .dockerignore.",
+    ]
 
 
 def dockerfile(
@@ -216,7 +177,8 @@ def dockerfile(
         workdir: absolute directory in the image for the lockfile, project and contract.
 
     Raises:
-        ValueError: an unpinned base (no tag, or ``latest``, and no digest), a malformed digest or path.
+        UserError: an unpinned base (no tag, or ``latest``, and no digest), a malformed reference,
+            digest or path, or a manifest value (commit, versions, capture time) that breaks its grammar.
 
     Example:
         >>> m = {"image": {"python": "3.11.7"}, "code": {"git_commit": "abc123", "git_dirty": False}}
@@ -224,38 +186,26 @@ def dockerfile(
         >>> [line for line in text.splitlines() if line.startswith(("FROM", "CMD"))]
         ['FROM python:3.11.7-slim-bookworm', 'CMD ["train"]']
     """
-    d = as_dict(manifest)
-    image, code = d.get("image") or {}, d.get("code") or {}
+    m = _checked(manifest)
+    stack, commit, dirty = m["stack"], m["commit"], m["dirty"]
     base = _pinned_base(base_image, base_digest)
-    if _CONTEXT_PATH.fullmatch(workdir.strip("/") or ".") is None or not workdir.startswith("/"):
-        raise ValueError(f"workdir={workdir!r} must be an absolute path without spaces")
+    ref = grammar.image_reference("tag", tag, allow_digest=False) if tag is not None else None
+    workdir = _workdir(workdir)
     lock, contract_src = _context_path("lockfile_path", lockfile_path), _context_path("contract_path", contract_path)
     contract_in_image = f"{workdir.rstrip('/')}/contract.yaml"
-    py, torch, cuda, cudnn = (image.get(k) for k in ("python", "torch", "cuda", "cudnn"))
-    commit, dirty = code.get("git_commit"), bool(code.get("git_dirty"))
-    stack = f"python {py or 'unknown'}, torch {torch or 'none'}, cuda {cuda or 'none'}, cudnn {cudnn or 'none'}"
-    captured = f" from a manifest captured {d['captured_at']}" if d.get("captured_at") else ""
-    out = [
-        f"# Generated by `steadytrain env dockerfile`{captured}.",
-        f"# Inside the image: {stack}; code {commit or 'unknown'}{' (dirty tree)' if dirty else ''}.",
-        "# NOT pinned by the image: the host's NVIDIA driver and kernel. The entrypoint's",
-        f"# `steadytrain env check --contract {contract_in_image}` covers them at every container start.",
-        "# Keep .venv/ and .git/ out of the build context with a .dockerignore.",
-    ]
-    if torch and "+" in torch:  # the local build (+cu121, +cpu) lives on PyTorch's own index
-        index = f"https://download.pytorch.org/whl/{torch.split('+', 1)[1]}"
-        out.append(f"# Build: docker build --build-arg PIP_EXTRA_INDEX_URL={index}{f' -t {tag}' if tag else ''} .")
+    out = _header(stack, commit, dirty, m["captured"], contract_in_image)
+    if stack["torch"] and "+" in stack["torch"]:  # the local build (+cu121, +cpu) lives on PyTorch's own index
+        index = f"https://download.pytorch.org/whl/{stack['torch'].split('+', 1)[1]}"
+        out.append(f"# Build: docker build --build-arg PIP_EXTRA_INDEX_URL={index}{f' -t {ref}' if ref else ''} .")
     out.append(f"FROM {base}")
-    if labels := _labels(commit, dirty, tag):
+    if labels := _labels(commit, dirty, ref):
         out.append("LABEL " + " \\\n      ".join(f"{k}={json.dumps(v)}" for k, v in labels.items()))
     env = ["PYTHONDONTWRITEBYTECODE=1", "PIP_NO_CACHE_DIR=1", "PIP_DISABLE_PIP_VERSION_CHECK=1"]
-    env += [f"STEADYTRAIN_IMAGE_TAG={json.dumps(tag)}"] if tag else []
+    env += [f"STEADYTRAIN_IMAGE_TAG={json.dumps(str(ref))}"] if ref else []
     out += ["ENV " + " \\\n    ".join(env), "ARG PIP_EXTRA_INDEX_URL=", f"WORKDIR {workdir}"]
-    if py:  # wheels are built per Python minor: fail the build, not the first import
-        msg = f'"base image has Python " + v + ", the lockfile was captured on {py}"'
-        check = f'sys.exit(0 if v.startswith("{_major_minor(py)}.") else {msg})'
-        out.append(f"RUN python -c 'import platform, sys; v = platform.python_version(); {check}'")
-    start = f'steadytrain env check --contract {contract_in_image} && exec steadytrain "$@"'
+    if stack["python"]:  # wheels are built per Python minor: fail the build, not the first import
+        out.append(_python_check(stack["python"]))
+    start = f'steadytrain env check --contract {shlex.quote(contract_in_image)} && exec steadytrain "$@"'
     out += [
         f"COPY {lock} requirements.lock",
         "RUN python -m pip install --no-deps -r requirements.lock"

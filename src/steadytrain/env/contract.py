@@ -13,8 +13,10 @@ minimum driver table, which needs no contract at all. Example ``contract.yaml``:
     allow_missing: [driver, cuda]              # absent on CPU CI: not a violation
 
 A bound names a version prefix: ``max: "550"`` admits every 550.x driver, ``max: "550.90.07"``
-admits 550.90.07 and nothing above it; both ends are inclusive. Quote versions in YAML: unquoted,
-``cuda: 12.10`` would be read as the number 12.1.
+admits 550.90.07 and nothing above it; both ends are inclusive. A contract version is numbers only
+(``"3.x"`` or ``"550abc"`` is refused: write ``"3"`` or ``"550"``), with ``-N`` build numbers allowed
+for a kernel (``"6.1.0-18"``). Quote versions in YAML: unquoted, ``cuda: 12.10`` would be read as the
+number 12.1.
 """
 
 from __future__ import annotations
@@ -25,10 +27,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from steadytrain.env.build import canonical_name, parse_lockfile
-from steadytrain.env.manifest import as_dict
+from steadytrain._io import brief, load_yaml, read_text
+from steadytrain.env import grammar
+from steadytrain.env._schema import as_dict
+from steadytrain.env.lockfile import canonical_name, parse_lockfile
 from steadytrain.errors import UserError
 
 __all__ = [
@@ -64,6 +66,8 @@ _TARGET = {
 }
 _CHECKED = tuple(_TARGET)
 _LEADING = re.compile(r"[0-9]+(?:\.[0-9]+)*")
+# A version written in a contract: every part is compared, so every part is a number.
+_CONTRACT_VERSION = re.compile(r"[0-9]+(?:\.[0-9]+)*(?:-[0-9]+)*", re.ASCII)
 
 
 def parse_version(s: str) -> tuple[int, ...]:
@@ -167,17 +171,17 @@ class Violation:
 
 
 def _fail(source: str, field: str, expected: str, got: object) -> ContractError:
-    return ContractError(f"{source}: {field}: expected {expected}, got {got!r}")
+    return ContractError(f"{source}: {field}: expected {expected}, got {brief(got)}")
 
 
 def _version(source: str, field: str, value: object, example: str) -> str:
+    """A contract version: numbers separated by dots (and ``-N`` build numbers), nothing a comparison would drop."""
     hint = f"a version string like {example!r}" + (" (quote it in YAML)" if isinstance(value, int | float) else "")
     if not isinstance(value, str):
         raise _fail(source, field, hint, value)
-    try:
-        parse_version(value)
-    except ValueError:
-        raise _fail(source, field, hint, value) from None
+    if not value.isascii() or _CONTRACT_VERSION.fullmatch(value) is None:
+        hint += ", numbers only: a prefix such as '3' admits every 3.x"
+        raise _fail(source, field, hint, value)
     return value
 
 
@@ -208,24 +212,35 @@ def _range(source: str, field: str, value: object, *, validated_ok: bool) -> Ver
     return VersionRange(min=lo, max=hi)
 
 
+def _lockfile(source: str, value: str, base_dir: Path | None) -> dict[str, str]:
+    path = Path(value) if Path(value).is_absolute() else (base_dir or Path.cwd()) / value
+    try:
+        text = read_text(path, what="lockfile")
+    except UserError as e:  # missing, a directory, not UTF-8: read_text names the file and the problem
+        raise ContractError(f"{source}: packages: cannot read lockfile {brief(value)}: {e}") from None
+    try:
+        return parse_lockfile(text)
+    except UserError as e:  # says which line is wrong, never what it holds
+        raise ContractError(f"{source}: packages: lockfile {path}: {e}") from None
+
+
 def _packages(source: str, value: object, base_dir: Path | None) -> dict[str, str]:
     if isinstance(value, str):
-        path = Path(value) if Path(value).is_absolute() else (base_dir or Path.cwd()) / value
-        try:
-            return parse_lockfile(path.read_text(encoding="utf-8"))
-        except OSError as e:
-            raise ContractError(f"{source}: packages: cannot read lockfile {value!r} ({path}): {e.strerror}") from None
-        except ValueError as e:
-            raise ContractError(f"{source}: packages: lockfile {path}: {e}") from None
+        return _lockfile(source, value, base_dir)
     if not isinstance(value, Mapping):
         raise _fail(source, "packages", "a lockfile path or a mapping of name -> version", value)
     out: dict[str, str] = {}
     for name, ver in value.items():
-        if not isinstance(name, str) or not name.strip():
-            raise _fail(source, "packages", "distribution names as keys", name)
-        if not isinstance(ver, str) or not ver.strip():
-            raise _fail(source, f"packages.{name}", "an exact version string like '2.1.0' (quote it in YAML)", ver)
-        out[canonical_name(name)] = ver.strip()
+        try:
+            grammar.dist_name("name", name)
+        except UserError:
+            raise _fail(source, "packages", "distribution names (PEP 508) as keys", name) from None
+        try:
+            grammar.pep440_version("version", ver)
+        except UserError:
+            expected = "an exact version string (PEP 440) like '2.1.0' (quote it in YAML)"
+            raise _fail(source, f"packages.{name}", expected, ver) from None
+        out[canonical_name(name)] = ver
     return out
 
 
@@ -255,11 +270,14 @@ class Contract:
         """
         d = {} if d is None else d
         if not isinstance(d, Mapping):
-            raise _fail(source, "(top level)", "a mapping of contract fields", d)
+            # the type, not the content: a file named as a contract by mistake is never quoted
+            got = type(d).__name__
+            raise ContractError(f"{source}: (top level): expected a mapping of contract fields, got a {got}")
         fields = (*_CHECKED, "packages", "allow_missing")
         for key in d:
             if key not in fields:
-                raise ContractError(f"{source}: {key}: unknown contract field; expected one of {', '.join(fields)}")
+                shown = key if isinstance(key, str) and key.isidentifier() and len(key) <= 40 else brief(key)
+                raise ContractError(f"{source}: {shown}: unknown contract field; expected one of {', '.join(fields)}")
         kw: dict[str, Any] = {"source": source}
         for name in ("driver", "kernel"):
             if d.get(name) is not None:
@@ -270,7 +288,7 @@ class Contract:
         if d.get("packages") is not None:
             kw["packages"] = _packages(source, d["packages"], base_dir)
         missing = d.get("allow_missing") or []
-        if not isinstance(missing, list) or any(m not in _CHECKED for m in missing):
+        if not isinstance(missing, list) or any(not isinstance(m, str) or m not in _CHECKED for m in missing):
             raise _fail(source, "allow_missing", f"a list drawn from {', '.join(_CHECKED)}", missing)
         return cls(**kw, allow_missing=frozenset(missing))
 
@@ -279,23 +297,19 @@ class Contract:
         """Read a YAML contract; a relative ``packages`` lockfile is resolved beside it.
 
         Raises:
-            ContractError: unreadable file, invalid YAML, or an invalid field.
+            ContractError: missing, a directory, not UTF-8, invalid YAML (or an alias bomb), or an invalid field.
 
         Example:
-            >>> Contract.load("no-such-contract.yaml")  # doctest: +ELLIPSIS
+            >>> Contract.load("no-such-contract.yaml")
             Traceback (most recent call last):
             ...
-            steadytrain.env.contract.ContractError: no-such-contract.yaml: cannot read the contract: ...
+            steadytrain.env.contract.ContractError: no-such-contract.yaml: no such contract
         """
         path = Path(path)
         try:
-            text = path.read_text(encoding="utf-8")
-        except OSError as e:
-            raise ContractError(f"{path}: cannot read the contract: {e.strerror}") from None
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as e:
-            raise ContractError(f"{path}: not valid YAML: {' '.join(str(e).split())}") from None
+            data = load_yaml(path, what="contract")
+        except UserError as e:
+            raise ContractError(str(e)) from None
         return cls.from_dict(data, source=str(path), base_dir=path.parent)
 
 
