@@ -22,12 +22,16 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from steadytrain._check import check_finite
+from steadytrain.errors import UserError
+
 try:  # DTensor is absent on builds without torch.distributed.
     from torch.distributed.tensor import DTensor
 except ImportError:  # pragma: no cover - depends on the torch build
     DTensor = None  # type: ignore[assignment,misc]
 
 __all__ = [
+    "clip_coefficient",
     "clip_grad_global_norm_",
     "clip_grad_per_param_norm_",
     "clip_grad_value_",
@@ -61,10 +65,27 @@ def _local(grad: Tensor) -> Tensor:
 
 
 def _check_norm_type(norm_type: float) -> float:
-    norm_type = float(norm_type)
-    if not (norm_type > 0):
-        raise ValueError(f"norm_type={norm_type} is not supported: use a p > 0 (2.0 for L2) or float('inf')")
-    return norm_type
+    """``norm_type`` as a float p > 0 (``inf`` allowed); NaN, 0, negatives and non-numbers are refused."""
+    try:
+        p = float(norm_type) if not isinstance(norm_type, bool) else math.nan
+    except (TypeError, ValueError, OverflowError):
+        p = math.nan
+    if not p > 0:  # NaN fails too
+        raise UserError(f"norm_type={norm_type!r} is not supported: use a p > 0 (2.0 for L2) or float('inf')")
+    return p
+
+
+def _check_eps(eps: float) -> float:
+    """``eps`` as a finite float >= 0: NaN would poison every clipped step, a negative one breaks the bound."""
+    return check_finite("eps", eps, minimum=0.0)
+
+
+def _check_norm_clip(max_norm: float, eps: float) -> tuple[float, float]:
+    """``(max_norm, eps)`` checked together: both finite and >= 0, and not both 0 (0 / 0 on a zero gradient)."""
+    max_norm, eps = check_finite("max_norm", max_norm, minimum=0.0), _check_eps(eps)
+    if max_norm == 0 and eps == 0:
+        raise UserError("max_norm=0 with eps=0 divides 0 by 0 on an all-zero gradient: give eps > 0")
+    return max_norm, eps
 
 
 def _shard_groups(grad: Tensor) -> tuple[dist.ProcessGroup, ...]:
@@ -193,7 +214,7 @@ def global_grad_norm(
         norm: the caller decides what to do.
 
     Raises:
-        ValueError: ``norm_type`` is not positive.
+        UserError: ``norm_type`` is not positive (NaN, 0, negative; a ``ValueError``).
 
     References:
         Pascanu, Mikolov, Bengio 2013, "On the difficulty of training recurrent neural networks".
@@ -218,21 +239,63 @@ def _total_norm(grads: list[Tensor], norm_type: float, process_group: dist.Proce
     return total
 
 
+def clip_coefficient(norm: Tensor, max_norm: float, eps: float = 1e-6) -> Tensor:
+    """The global-norm clipping factor ``min(1, max_norm / (norm + eps))``, as a tensor (no host sync).
+
+    The one place this rule is written: :func:`clip_grad_global_norm_`, :func:`clip_grad_per_param_norm_`
+    and :class:`~steadytrain.accumulate.GradientAccumulator` all call it. It keeps ``norm``'s dtype and
+    device; a non-finite ``norm`` gives a non-finite (or zero) factor, so callers check the norm first.
+
+    Args:
+        norm: the norm(s) to clip, any shape (0-dim for a global norm, 1-D for per-parameter norms).
+        max_norm: the largest allowed norm (>= 0, not checked here: the public callers check it).
+        eps: added to the norm so an all-zero gradient does not divide by zero (>= 0).
+
+    Returns:
+        A tensor shaped like ``norm``: exactly 1 where ``norm + eps <= max_norm``.
+
+    References:
+        Pascanu, Mikolov, Bengio 2013; the seed's ``clip_grad_global_norm`` (``steadytrain.reference``).
+
+    Example:
+        >>> clip_coefficient(torch.tensor(13.0, dtype=torch.float64), 1.0, eps=0.0).item() == 1 / 13
+        True
+        >>> float(clip_coefficient(torch.tensor(0.5), 1.0))
+        1.0
+    """
+    return torch.clamp(max_norm / (norm + eps), max=1.0)
+
+
 def _scale_(grads: list[Tensor], coef: Tensor | float) -> None:
-    if not isinstance(coef, Tensor):
-        coef = torch.tensor(coef, dtype=torch.float32)
-    by_device: dict[torch.device, list[Tensor]] = defaultdict(list)
+    """Multiply ``grads`` by ``coef`` in place, one fused kernel per (device, dtype) group.
+
+    The factor is applied in the precision of the gradients it scales (float64 gradients get a float64
+    factor, others float32): a Python float is never rounded to float32 before a float64 gradient sees it.
+    """
+    by_key: dict[tuple[torch.device, torch.dtype], list[Tensor]] = defaultdict(list)
     has_dtensor = any(_is_dtensor(g) for g in grads)
     for g in grads:
         local = _local(g) if has_dtensor else g
-        by_device[local.device].append(local)
-    for device, group in by_device.items():
-        torch._foreach_mul_(group, coef.to(device, non_blocking=True))
+        by_key[(local.device, local.dtype)].append(local)
+    for (device, dtype), group in by_key.items():
+        if isinstance(coef, Tensor):
+            factor: Tensor | float = coef.to(device, torch.promote_types(dtype, torch.float32), non_blocking=True)
+        else:
+            factor = float(coef)  # a Python scalar: torch applies it at the group's own (or float32) precision
+        torch._foreach_mul_(group, factor)
 
 
 @torch.no_grad()
 def scale_grads_(parameters: Parameters, factor: Tensor | float) -> None:
-    """Multiply every gradient by ``factor`` in place: one fused pass per device, DTensor-aware.
+    """Multiply every gradient by ``factor`` in place: one fused pass per device and dtype, DTensor-aware.
+
+    The factor is applied at the gradients' own precision: float64 gradients are multiplied by a
+    float64 factor (so ``scale_grads_(params, 1 / 3)`` on a float64 gradient of 3 gives exactly 1),
+    float32, bf16 and fp16 gradients by a float32 one.
+
+    Args:
+        parameters: a tensor or an iterable of tensors whose ``.grad`` is scaled in place.
+        factor: a Python number or a 0-dim tensor (a tensor stays on the device: no host sync).
 
     Example:
         >>> b = torch.nn.Parameter(torch.zeros(1)); b.grad = torch.tensor([12.0])
@@ -271,7 +334,8 @@ def clip_grad_global_norm_(
         The global norm before clipping (0-dim float32 tensor).
 
     Raises:
-        ValueError: ``max_norm`` is negative or ``norm_type`` is not positive.
+        UserError: ``max_norm`` or ``eps`` is negative or not finite, or ``norm_type`` is not positive
+            (a ``ValueError``).
 
     References:
         Pascanu et al. 2013; the seed's ``clip_grad_global_norm`` (``steadytrain.reference``).
@@ -284,13 +348,11 @@ def clip_grad_global_norm_(
         >>> round(float(global_grad_norm([w, b])), 5)
         1.0
     """
-    if max_norm < 0:
-        raise ValueError(f"max_norm={max_norm} must be >= 0")
+    max_norm, eps = _check_norm_clip(max_norm, eps)
     grads = _grads(parameters)  # collected once: the norm and the scaling read the same list
     norm = _total_norm(grads, _check_norm_type(norm_type), process_group)
     if grads:
-        coef = torch.clamp(max_norm / (norm + eps), max=1.0)
-        _scale_(grads, coef)
+        _scale_(grads, clip_coefficient(norm, max_norm, eps))
     return norm
 
 
@@ -306,15 +368,14 @@ def clip_grad_value_(parameters: Parameters, clip_value: float) -> None:
         clip_value: the largest allowed absolute value of an element.
 
     Raises:
-        ValueError: ``clip_value`` is negative.
+        UserError: ``clip_value`` is negative or not finite (a ``ValueError``).
 
     Example:
         >>> b = torch.nn.Parameter(torch.zeros(1)); b.grad = torch.tensor([12.0])
         >>> clip_grad_value_([b], 5.0); b.grad
         tensor([5.])
     """
-    if clip_value < 0:
-        raise ValueError(f"clip_value={clip_value} must be >= 0")
+    clip_value = check_finite("clip_value", clip_value, minimum=0.0)
     by_device: dict[torch.device, list[Tensor]] = defaultdict(list)
     for g in _grads(parameters):
         local = _local(g)
@@ -344,7 +405,7 @@ def clip_grad_per_param_norm_(parameters: Parameters, max_norm: float, *, eps: f
         parameters without a gradient omitted.
 
     Raises:
-        ValueError: ``max_norm`` is negative.
+        UserError: ``max_norm`` or ``eps`` is negative or not finite (a ``ValueError``).
 
     Example:
         >>> w = torch.nn.Parameter(torch.zeros(2)); b = torch.nn.Parameter(torch.zeros(1))
@@ -354,13 +415,12 @@ def clip_grad_per_param_norm_(parameters: Parameters, max_norm: float, *, eps: f
         >>> b.grad  # only the 12 was above 6
         tensor([6.0000])
     """
-    if max_norm < 0:
-        raise ValueError(f"max_norm={max_norm} must be >= 0")
+    max_norm, eps = _check_norm_clip(max_norm, eps)
     grads = _grads(parameters)
     if not grads:
         return []
     norms = _per_tensor_norms(grads, 2.0)
-    coefs = torch.clamp(max_norm / (norms + eps), max=1.0)
+    coefs = clip_coefficient(norms, max_norm, eps)
     for g, c in zip(grads, coefs.unbind(), strict=True):
         local = _local(g)
         local.mul_(c.to(local.device, non_blocking=True))
