@@ -1,34 +1,82 @@
-"""``steadytrain data``: validate, infer-schema, provenance, verify."""
+"""``steadytrain data``: validate, infer-schema, provenance, verify.
+
+Library errors (``DatasetError``, ``SchemaError``: both :class:`~steadytrain.errors.UserError`) pass
+through to the entry point, which prints them as one line and exits 2. Values from the data (provenance,
+file and column names) are shown verbatim: the consoles never read markup, and control characters are
+shown escaped (:func:`shown`), never sent to the terminal.
+"""
 
 from __future__ import annotations
 
+from typing import Any
+
 import click
+from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from steadytrain.cli._common import UserError, console
 
 
-def _open(path: str):
-    from steadytrain.data import DatasetError, open_dataset
+def shown(value: Any) -> str:
+    """``str(value)`` with newlines, escape sequences and other control characters shown escaped.
 
-    try:
-        return open_dataset(path)
-    except DatasetError as err:
-        raise UserError(str(err)) from err
+    Example:
+        >>> shown("s3://bucket/[/data]" + chr(27) + "[31m")
+        's3://bucket/[/data]\\\\x1b[31m'
+    """
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(value))
 
 
-def parse_shards(spec: str | None) -> list[int] | None:
-    """``"0-39,47"`` -> ``[0, ..., 39, 47]``; None stays None."""
+def parse_shards(spec: str | None, known: list[int] | None = None) -> list[int] | None:
+    """``"0-39,47"`` -> ``[0, ..., 39, 47]``; None stays None. With ``known``, every id must be one of them.
+
+    Example:
+        >>> parse_shards("0-2,7")
+        [0, 1, 2, 7]
+    """
     if spec is None:
         return None
     out: list[int] = []
-    try:
-        for part in spec.split(","):
-            lo, _, hi = part.strip().partition("-")
-            out += list(range(int(lo), int(hi) + 1)) if hi else [int(lo)]
-    except ValueError:
-        raise UserError(f"--shards {spec!r}: use ids and ranges like 0-39,47") from None
+    limit = len(known) if known is not None else 1_000_000  # a range can never hold more ids than exist
+    for part in spec.split(","):
+        lo, _, hi = part.strip().partition("-")
+        try:
+            first, last = int(lo), int(hi) if hi else int(lo)
+        except ValueError:
+            raise UserError(f"--shards {spec!r}: {part.strip()!r} is not an id or a range: use e.g. 0-39,47") from None
+        if first < 0 or last < first:
+            raise UserError(f"--shards {spec!r}: {part.strip()!r} is an empty range: use low-high, e.g. 0-39")
+        if last - first + 1 + len(out) > limit:
+            raise UserError(f"--shards {spec!r}: selects more shards than the dataset has ({limit})")
+        out += range(first, last + 1)
+    if len(set(out)) < len(out):
+        raise UserError(f"--shards {spec!r}: names a shard twice")
+    if known is not None and (unknown := sorted(set(out) - set(known))):
+        some = ", ".join(map(str, unknown[:5])) + (", ..." if len(unknown) > 5 else "")
+        raise UserError(f"--shards {spec!r}: no shard {some} in the dataset (ids {_ids(known)})")
     return out
+
+
+def _table(title: str, *columns: str) -> Table:
+    """A table whose cells fold long values onto more lines, never cutting them short."""
+    table = Table(title=shown(title), title_justify="left")
+    for col in columns:
+        table.add_column(shown(col), overflow="fold")
+    return table
+
+
+def _print(table: Table) -> None:
+    """Print a table; into a pipe or a file at its full width, so every value stays on one line, whole."""
+    if console.is_terminal:
+        console.print(table)
+        return
+    wide = Console(file=console.file, width=1 << 20, markup=False, highlight=False, emoji=False)
+    wide.print(table)
+
+
+def _ids(ids: list[int]) -> str:
+    return f"{min(ids)}..{max(ids)}, {len(ids)} shards" if ids else "none"
 
 
 @click.group()
@@ -40,21 +88,25 @@ def data() -> None:
 @click.argument("path", type=click.Path(exists=True, file_okay=False))
 def verify_cmd(path: str) -> None:
     """Check every shard's size and sha256 against the index; list leftovers of interrupted writes. Exit 1 if bad."""
-    from steadytrain.data import CorruptShardError
+    from steadytrain.data import CorruptShardError, open_dataset
 
-    ds = _open(path)
+    ds = open_dataset(path)
     bad = []
     for sid in ds.shard_ids:
         try:
             ds.verify_shard(sid)
         except CorruptShardError as err:
             bad.append(sid)
-            click.echo(f"corrupt: {err}")
+            click.echo(f"corrupt: {shown(err)}")
     for name in ds.orphans:
-        click.echo(f"orphan: {name} (not in the index: an interrupted write)")
+        click.echo(f"orphan: {shown(name)} (not in the index: an interrupted write)")
     click.echo(f"{len(ds.shard_ids) - len(bad)}/{len(ds.shard_ids)} shards verified, {len(ds.orphans)} orphan file(s)")
     if bad:
         raise click.exceptions.Exit(1)
+
+
+def _odd(value: Any) -> Text:
+    return Text(shown(value), style="bold red")
 
 
 @data.command("provenance")
@@ -62,35 +114,31 @@ def verify_cmd(path: str) -> None:
 @click.option("--shard", type=int, default=None, help="Show where this shard differs from the majority.")
 def provenance_cmd(path: str, shard: int | None) -> None:
     """Provenance per shard; fields unlike the majority of shards are highlighted."""
+    from steadytrain.data import open_dataset
     from steadytrain.data.provenance import IGNORED, majority_provenance, provenance_differences, provenance_outliers
 
-    ds = _open(path)
+    ds = open_dataset(path)
     if shard is not None:
-        try:
-            diffs = provenance_differences(ds, shard)
-        except KeyError:
-            raise UserError(f"{path}: no shard {shard}") from None
+        diffs = provenance_differences(ds, shard)
         if not diffs:
             click.echo(f"shard {shard}: provenance like the majority of {len(ds.shards)} shards")
             return
-        table = Table(title=f"shard {shard} vs the majority of {len(ds.shards)} shards", title_justify="left")
-        for col in ("field", f"shard {shard}", "majority"):
-            table.add_column(col)
+        table = _table(
+            f"shard {shard} vs the majority of {len(ds.shards)} shards", "field", f"shard {shard}", "majority"
+        )
         for f, (mine, major) in diffs.items():
-            table.add_row(f, f"[bold red]{mine}[/]", str(major))
-        console.print(table)
+            table.add_row(shown(f), _odd(mine), shown(major))
+        _print(table)
         return
     major = majority_provenance(ds)
     outliers = provenance_outliers(ds)
     fields = [*major, *sorted(IGNORED & {k for s in ds.shards for k in s.provenance})]
-    table = Table(title=f"{path}: {len(ds.shards)} shards, {ds.num_records} records", title_justify="left")
-    for col in ("shard", "records", *fields):
-        table.add_column(col)
+    table = _table(f"{path}: {len(ds.shards)} shards, {ds.num_records} records", "shard", "records", *fields)
     for s in ds.shards:
         odd = outliers.get(s.id, {})
-        cells = [f"[bold red]{s.provenance.get(f)}[/]" if f in odd else str(s.provenance.get(f)) for f in fields]
+        cells = [_odd(s.provenance.get(f)) if f in odd else shown(s.provenance.get(f)) for f in fields]
         table.add_row(str(s.id), str(s.records), *cells)
-    console.print(table)
+    _print(table)
     if outliers:
         click.echo(f"{len(outliers)} shard(s) produced unlike the majority: {', '.join(map(str, outliers))}")
 
@@ -102,15 +150,13 @@ def provenance_cmd(path: str, shard: int | None) -> None:
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="Where to write the YAML.")
 def infer_schema_cmd(path: str, shards_spec: str | None, categorical: tuple[str, ...], output: str) -> None:
     """Infer a schema (types, ranges, vocabularies) from healthy shards."""
-    from steadytrain.data import DatasetError, infer_schema
+    from steadytrain.data import infer_schema, open_dataset
 
-    ds = _open(path)
-    try:
-        schema = infer_schema(ds, shards=parse_shards(shards_spec), categorical=list(categorical) or None)
-    except (DatasetError, KeyError) as err:
-        raise UserError(str(err)) from err
+    ds = open_dataset(path)
+    shards = parse_shards(shards_spec, ds.shard_ids)
+    schema = infer_schema(ds, shards=shards, categorical=list(categorical) or None)
     schema.save(output)
-    click.echo(f"wrote a schema of {len(schema.fields)} fields to {output}", err=True)
+    click.echo(f"wrote a schema of {len(schema.fields)} fields to {shown(output)}", err=True)
 
 
 @data.command("validate")
@@ -122,30 +168,24 @@ def validate_cmd(path: str, schema_path: str | None, shards_spec: str | None) ->
 
     Without --schema, the schema is inferred from the shards whose provenance matches the majority.
     """
-    from steadytrain.data import Schema, SchemaError, infer_schema, validate
-    from steadytrain.data.provenance import provenance_outliers
+    from steadytrain.data import Schema, healthy_shards, infer_schema, open_dataset, validate
 
-    ds = _open(path)
+    ds = open_dataset(path)
+    shards = parse_shards(shards_spec, ds.shard_ids)
     if schema_path is not None:
-        try:
-            schema = Schema.load(schema_path)
-        except SchemaError as err:
-            raise UserError(str(err)) from err
+        schema = Schema.load(schema_path)
     else:
-        odd = provenance_outliers(ds)
-        healthy = [s for s in ds.shard_ids if s not in odd] or ds.shard_ids
+        healthy = healthy_shards(ds)
         schema = infer_schema(ds, shards=healthy)
         click.echo(f"no --schema: inferred from the {len(healthy)} shards whose provenance matches the majority")
-    report = validate(ds, schema, shards=parse_shards(shards_spec))
+    report = validate(ds, schema, shards=shards)
     by_shard = report.by_shard()
-    table = Table(title=f"{path}: validation", title_justify="left")
-    for col in ("shard", "field", "violation", "count", "first examples"):
-        table.add_column(col)
+    table = _table(f"{path}: validation", "shard", "field", "violation", "count", "first examples")
     for sid, violations in sorted(by_shard.items()):
         for v in violations:
-            table.add_row(str(sid), v.field, v.kind, str(v.count), ", ".join(map(str, v.examples)))
+            table.add_row(str(sid), shown(v.field), v.kind, str(v.count), ", ".join(map(str, v.examples)))
     if by_shard:
-        console.print(table)
+        _print(table)
         click.echo(f"violations in {len(by_shard)} shard(s): {', '.join(map(str, sorted(by_shard)))}")
         raise click.exceptions.Exit(1)
     click.echo("ok: no violations")

@@ -1,5 +1,6 @@
 """Sharded Parquet datasets with per-shard provenance, schema validation and deterministic rank assignment."""
 
+from steadytrain.data.batched import global_batch
 from steadytrain.data.checks import (
     FieldViolation,
     PolicyCounts,
@@ -18,7 +19,12 @@ from steadytrain.data.format import (
     ShardInfo,
     open_dataset,
 )
-from steadytrain.data.provenance import majority_provenance, provenance_differences, provenance_outliers
+from steadytrain.data.provenance import (
+    healthy_shards,
+    majority_provenance,
+    provenance_differences,
+    provenance_outliers,
+)
 from steadytrain.data.schema import POLICIES, FieldSpec, Schema, SchemaError, SchemaViolationError
 from steadytrain.data.sharded import ShardedDataset, assign_shards, collate_examples
 
@@ -42,6 +48,8 @@ __all__ = [
     "assign_shards",
     "check_table",
     "collate_examples",
+    "global_batch",
+    "healthy_shards",
     "infer_schema",
     "majority_provenance",
     "open_dataset",

@@ -2,64 +2,51 @@
 
 A dataset is a directory of ``shard-00047.parquet`` files and ``index.json`` listing, per shard, the
 file, record count, sha256, byte size and provenance (``pipeline_version``, ``schema_version``,
-``source``, ``created_at``, free-form extras). Every write is atomic: a shard is written to a
-temporary file, fsynced and renamed; the index is replaced the same way afterwards. A crash between
-the two leaves the previous index intact and the new shard detectable as an orphan.
+``source``, ``created_at``, free-form extras). Every write is atomic: a shard is serialized and checked
+in memory, then created under its final name without ever replacing a file, and the index is
+replaced the same way afterwards. A crash between the two leaves the previous index intact and the
+new shard detectable as an orphan. Writers hold an inter-process lock (``index.json.lock``) while they
+choose an id, create the shard and update the index, and re-read the index under it, so several
+writers (processes, ranks, or two writers in one process) never lose or overwrite a shard.
 """
 
 from __future__ import annotations
 
-import datetime as _dt
 import hashlib
 import json
 import os
-import re
-import tempfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import filelock
 import pyarrow as pa
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from steadytrain._check import check_int
-from steadytrain._io import write_text_atomic
-from steadytrain.errors import UserError
+from steadytrain._io import brief, utc_now, write_atomic, write_text_atomic
+from steadytrain.data.index import (
+    FORMAT,
+    INDEX,
+    LOCK,
+    RESERVED_COLUMNS,
+    SHARD_FILE,
+    VERSION,
+    CorruptShardError,
+    DatasetError,
+    ShardInfo,
+    check_json,
+    fingerprint,
+    load_index,
+    parse_index,
+    resolve_inside,
+    shard_file,
+)
 
 __all__ = ["INDEX", "CorruptShardError", "Dataset", "DatasetError", "DatasetWriter", "ShardInfo", "open_dataset"]
 
-INDEX = "index.json"
-FORMAT = "steadytrain-shards"
-VERSION = 1
-_SHARD_FILE = re.compile(r"shard-(\d+)\.parquet")
-
-
-class DatasetError(UserError):
-    """A dataset directory or its index is malformed; the message names the file and the field."""
-
-
-class CorruptShardError(DatasetError):
-    """A shard's bytes do not match its index entry (checksum, size, or unreadable Parquet)."""
-
-    def __init__(self, shard: int, message: str):
-        super().__init__(message)
-        self.shard = shard
-
-
-@dataclass(frozen=True)
-class ShardInfo:
-    """One shard as the index records it."""
-
-    id: int
-    file: str
-    records: int
-    sha256: str
-    bytes: int
-    provenance: dict[str, Any] = field(default_factory=dict)
-
-
-def shard_file(shard_id: int) -> str:
-    return f"shard-{shard_id:05d}.parquet"
+LOCK_TIMEOUT_S = 600.0  # a writer holds the lock only to link one shard and rewrite the index
 
 
 def _sha256(path: Path) -> str:
@@ -70,17 +57,16 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _now() -> str:
-    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
-
-
 class Dataset:
-    """An opened dataset: its shards, their provenance, checksum verification and reads."""
+    """An opened dataset: its shards, their provenance, checksum verification and reads.
+
+    Raises:
+        DatasetError: a malformed index (see :func:`~steadytrain.data.index.parse_index`).
+    """
 
     def __init__(self, path: str | Path, index: dict[str, Any]):
         self.path = Path(path)
-        self.provenance: dict[str, Any] = index.get("provenance") or {}
-        self.shards: list[ShardInfo] = [ShardInfo(**s) for s in index["shards"]]
+        self.provenance, self.shards = parse_index(self.path, index, self.path / INDEX)
         self._by_id = {s.id: s for s in self.shards}
         self._verified: set[int] = set()
 
@@ -93,34 +79,51 @@ class Dataset:
         return sum(s.records for s in self.shards)
 
     def shard(self, shard_id: int) -> ShardInfo:
+        """The index entry of ``shard_id``; a :class:`DatasetError` naming the known ids if there is none."""
         try:
             return self._by_id[shard_id]
-        except KeyError:
-            raise DatasetError(f"{self.path}: no shard {shard_id} (shards: {_ranges(self.shard_ids)})") from None
+        except (KeyError, TypeError):
+            raise DatasetError(f"{self.path}: no shard {brief(shard_id)} (shards: {_ranges(self.shard_ids)})") from None
+
+    def fingerprint(self, shards: list[int] | None = None) -> str:
+        """A digest of the given shards' (default: all) ids and checksums: it changes when the data does."""
+        return fingerprint([self.shard(s) for s in shards] if shards is not None else self.shards)
+
+    def file_path(self, shard_id: int) -> Path:
+        """The real path of the shard's file; a :class:`DatasetError` if it lies outside the dataset directory."""
+        info = self.shard(shard_id)
+        return resolve_inside(self.path, info.file, f"{self.path / INDEX}: shard {shard_id}")
 
     @property
     def orphans(self) -> list[str]:
         """Files in the directory the index does not list: an interrupted write (a temporary file, or a
         shard renamed into place whose index update never happened)."""
-        listed = {s.file for s in self.shards} | {INDEX}
+        listed = {os.path.normpath(s.file) for s in self.shards} | {INDEX, LOCK}
         return sorted(
             p.name
             for p in self.path.iterdir()
-            if p.is_file() and p.name not in listed and (_SHARD_FILE.fullmatch(p.name) or p.name.startswith("."))
+            if p.is_file() and p.name not in listed and (SHARD_FILE.fullmatch(p.name) or p.name.startswith("."))
         )
 
     def verify_shard(self, shard_id: int) -> None:
         """Raise :class:`CorruptShardError` if the shard's size or sha256 differ from the index."""
         info = self.shard(shard_id)
-        path = self.path / info.file
+        path = self.file_path(shard_id)
         if not path.exists():
-            raise CorruptShardError(shard_id, f"shard {shard_id}: {path} is missing")
-        size = path.stat().st_size
+            raise CorruptShardError(shard_id, f"shard {shard_id}: {self.path / info.file} is missing")
+        if not path.is_file():
+            raise CorruptShardError(shard_id, f"shard {shard_id}: {self.path / info.file} is not a regular file")
+        try:
+            size = path.stat().st_size
+            digest = _sha256(path) if size == info.bytes else ""
+        except OSError as err:
+            raise CorruptShardError(
+                shard_id, f"shard {shard_id}: {info.file} cannot be read ({err.strerror})"
+            ) from None
         if size != info.bytes:
             raise CorruptShardError(
                 shard_id, f"shard {shard_id}: {info.file} has {size} bytes, the index says {info.bytes} (truncated?)"
             )
-        digest = _sha256(path)
         if digest != info.sha256:
             raise CorruptShardError(
                 shard_id, f"shard {shard_id}: {info.file} sha256 {digest[:12]}... != index {info.sha256[:12]}..."
@@ -137,10 +140,24 @@ class Dataset:
         info = self.shard(shard_id)
         if verify and shard_id not in self._verified:
             self.verify_shard(shard_id)
+        path = self.file_path(shard_id)
         try:
-            return pq.read_table(self.path / info.file, columns=columns)
+            # A local file, never a URI pyarrow would interpret. (Not a Python file object: reading one
+            # through Arrow's threads can abort the interpreter at exit.)
+            return pq.read_table(str(path), columns=columns, filesystem=pafs.LocalFileSystem())
         except (OSError, pa.ArrowException) as err:
-            raise CorruptShardError(shard_id, f"shard {shard_id}: {info.file} is not readable Parquet: {err}") from err
+            raise CorruptShardError(
+                shard_id, f"shard {shard_id}: {info.file} is not readable Parquet: {brief(str(err))}"
+            ) from None
+
+
+def _stat_key(path: Path) -> tuple[int, ...] | None:
+    """What identifies one version of a file replaced by rename; None if there is none."""
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return None
+    return (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
 
 
 def _ranges(ids: list[int]) -> str:
@@ -149,31 +166,11 @@ def _ranges(ids: list[int]) -> str:
     return f"{min(ids)}..{max(ids)} ({len(ids)})" if len(ids) > 5 else ", ".join(map(str, ids))
 
 
-def _load_index(path: Path) -> dict[str, Any]:
-    index_path = path / INDEX
-    try:
-        index = json.loads(index_path.read_text())
-    except FileNotFoundError:
-        raise DatasetError(f"{path}: no {INDEX}: not a steadytrain dataset (write one with DatasetWriter)") from None
-    except json.JSONDecodeError as err:
-        raise DatasetError(f"{index_path}: not valid JSON (line {err.lineno}: {err.msg})") from err
-    if not isinstance(index, dict) or index.get("format") != FORMAT:
-        raise DatasetError(f"{index_path}: field 'format' must be {FORMAT!r}")
-    shards = index.get("shards")
-    if not isinstance(shards, list):
-        raise DatasetError(f"{index_path}: field 'shards' must be a list")
-    for n, s in enumerate(shards):
-        missing = [k for k in ("id", "file", "records", "sha256", "bytes") if k not in s]
-        if missing:
-            raise DatasetError(f"{index_path}: shards[{n}] lacks field(s) {', '.join(missing)}")
-    return index
-
-
 def open_dataset(path: str | Path) -> Dataset:
     """Open a dataset directory written by :class:`DatasetWriter`.
 
     Raises:
-        DatasetError: no index, or a malformed one (the message names the file and field).
+        DatasetError: no index, or a malformed one (the message names the file, the entry and the field).
 
     Example:
         >>> import tempfile
@@ -184,26 +181,39 @@ def open_dataset(path: str | Path) -> Dataset:
         ([0], 2, '1.0')
     """
     path = Path(path)
-    return Dataset(path, _load_index(path))
+    return Dataset(path, load_index(path))
 
 
 class DatasetWriter:
-    """Write shards atomically, one at a time, and keep ``index.json`` in step.
+    """Write shards atomically, one at a time, and keep ``index.json`` in step; safe with concurrent writers.
 
     Args:
         path: the dataset directory (created if missing; an existing dataset is appended to).
         provenance: defaults for every shard's provenance (``pipeline_version``, ``schema_version``,
-            ``source`` ...); per-shard values override them; ``created_at`` is filled in.
+            ``source`` ...); per-shard values override them; ``created_at`` is filled in. Values must be
+            JSON (strings, finite numbers, bools, null, lists, mappings).
+
+    Raises:
+        DatasetError: the directory cannot be created, an existing index is malformed, or the provenance
+            is not JSON.
     """
 
     def __init__(self, path: str | Path, *, provenance: dict[str, Any] | None = None):
         self.path = Path(path)
-        self.path.mkdir(parents=True, exist_ok=True)
+        if provenance is not None and not isinstance(provenance, dict):
+            raise DatasetError(f"{self.path}: provenance = {brief(provenance)} must be a mapping")
         self.provenance = dict(provenance or {})
+        check_json(self.provenance, f"{self.path}: provenance")
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+        except (FileExistsError, NotADirectoryError):
+            raise DatasetError(f"{self.path}: exists and is not a directory") from None
+        except OSError as err:
+            raise DatasetError(f"{self.path}: cannot create the dataset directory ({err.strerror})") from None
         if (self.path / INDEX).exists():
-            self._index = _load_index(self.path)
-        else:
-            self._index = {"format": FORMAT, "version": VERSION, "provenance": self.provenance, "shards": []}
+            Dataset(self.path, load_index(self.path))  # refuse a malformed index now, not at the first shard
+        self._lock = filelock.FileLock(str(self.path / LOCK), timeout=LOCK_TIMEOUT_S)
+        self._cache: tuple[tuple[int, ...] | None, dict[str, Any]] | None = None  # (stat of index.json, its content)
 
     def __enter__(self) -> DatasetWriter:
         return self
@@ -218,53 +228,107 @@ class DatasetWriter:
         shard_id: int | None = None,
         provenance: dict[str, Any] | None = None,
     ) -> ShardInfo:
-        """Write one shard (temporary file, fsync, rename), then the index (the same way).
+        """Write one shard, then the index, each in one step, under the dataset's writer lock.
+
+        Everything that can be refused (records, columns, provenance, Parquet serialization) is checked
+        before a file is created. Under the lock the index is re-read, the id chosen, the shard created
+        (never replacing an existing file) and the index replaced.
 
         Args:
-            records: a list of dicts or a ``pyarrow.Table``.
-            shard_id: defaults to one more than the largest id so far.
+            records: a list of dicts or a ``pyarrow.Table``; no column may be named ``shard`` or ``index``.
+            shard_id: defaults to one more than the largest id in the index (skipping any id whose file exists
+                unindexed, left by an interrupted write).
             provenance: this shard's provenance, over the writer's defaults.
 
         Returns:
             The index entry of the shard.
 
         Raises:
-            DatasetError: the id exists already, or the records are empty or not tabular.
+            DatasetError: the id or its file exists already, the records are empty, not tabular or use a
+                reserved column, or the provenance is not JSON.
         """
-        ids = {s["id"] for s in self._index["shards"]}
+        if shard_id is not None:
+            check_int("shard_id", shard_id, 0)
+        table = records if isinstance(records, pa.Table) else self._table(records)
+        self._check_columns(table)
+        if provenance is not None and not isinstance(provenance, dict):
+            raise DatasetError(f"{self.path}: provenance = {brief(provenance)} must be a mapping")
+        prov = {**self.provenance, "created_at": utc_now(), **(provenance or {})}
+        check_json(prov, f"{self.path}: provenance")
+        data = self._serialize(table)
+        digest = hashlib.sha256(data).hexdigest()
+        try:
+            with self._lock:
+                return self._commit(data, digest, table.num_rows, shard_id, prov)
+        except filelock.Timeout:
+            raise DatasetError(
+                f"{self.path}: another writer has held {LOCK} for {LOCK_TIMEOUT_S:.0f} s: is it stuck?"
+            ) from None
+
+    def _commit(
+        self, data: pa.Buffer, digest: str, num_rows: int, shard_id: int | None, prov: dict[str, Any]
+    ) -> ShardInfo:
+        """Under the lock: re-read the index, choose the id, create the shard, replace the index."""
+        index = self._current_index()
+        ids = {s["id"] for s in index["shards"]}
+        explicit = shard_id is not None
         if shard_id is None:
             shard_id = max(ids, default=-1) + 1
-        check_int("shard_id", shard_id, 0)
         if shard_id in ids:
             raise DatasetError(f"{self.path}: shard {shard_id} exists already: shards are immutable, use a new id")
-        table = records if isinstance(records, pa.Table) else self._table(records)
-        name = shard_file(shard_id)
-        fd, tmp = tempfile.mkstemp(dir=self.path, prefix=f".{name}.", suffix=".tmp")
-        os.close(fd)
-        try:
-            pq.write_table(table, tmp)
-            with open(tmp, "rb+") as f:
-                os.fsync(f.fileno())
-            info = ShardInfo(
-                id=shard_id,
-                file=name,
-                records=table.num_rows,
-                sha256=_sha256(Path(tmp)),
-                bytes=os.path.getsize(tmp),
-                provenance={**self.provenance, "created_at": _now(), **(provenance or {})},
-            )
-            os.replace(tmp, self.path / name)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        self._index["shards"] = sorted([*self._index["shards"], asdict(info)], key=lambda s: s["id"])
-        write_text_atomic(self.path / INDEX, json.dumps(self._index, indent=1) + "\n")
+        while True:
+            name = shard_file(shard_id)
+            try:
+                write_atomic(self.path / name, lambda f: f.write(data), replace=False)
+                break
+            except FileExistsError:  # not in the index: an interrupted write's shard; never replaced
+                if explicit:
+                    raise DatasetError(
+                        f"{self.path}: {name} exists but is not in the index (left by an interrupted write?): "
+                        "remove it or use another shard id"
+                    ) from None
+                shard_id += 1
+        info = ShardInfo(id=shard_id, file=name, records=num_rows, sha256=digest, bytes=data.size, provenance=prov)
+        new = {**index, "shards": sorted([*index["shards"], asdict(info)], key=lambda s: s["id"])}
+        write_text_atomic(self.path / INDEX, json.dumps(new, indent=1, allow_nan=False) + "\n")
+        self._cache = (_stat_key(self.path / INDEX), new)
         return info
+
+    def _current_index(self) -> dict[str, Any]:
+        """The index as it is on disk now (under the lock), checked; parsed again only when it changed."""
+        key = _stat_key(self.path / INDEX)
+        if key is None:
+            return {"format": FORMAT, "version": VERSION, "provenance": self.provenance, "shards": []}
+        if self._cache is not None and self._cache[0] == key:
+            return self._cache[1]  # nobody replaced it since this writer wrote or read it
+        index = load_index(self.path)
+        Dataset(self.path, index)  # checked: a malformed index is never extended
+        self._cache = (key, index)
+        return index
+
+    def _serialize(self, table: pa.Table) -> pa.Buffer:
+        """The Parquet bytes of the shard, in memory: a table that cannot be written fails before any file exists."""
+        sink = pa.BufferOutputStream()
+        try:
+            pq.write_table(table, sink)
+        except (pa.ArrowException, TypeError, ValueError) as err:
+            raise DatasetError(f"{self.path}: the records cannot be written as Parquet: {brief(str(err))}") from None
+        return sink.getvalue()
+
+    def _check_columns(self, table: pa.Table) -> None:
+        names = table.column_names
+        if reserved := [c for c in RESERVED_COLUMNS if c in names]:
+            raise DatasetError(
+                f"{self.path}: column {reserved[0]!r} is reserved: every example read back carries its "
+                "'shard' and 'index' (row in the shard); rename the column"
+            )
+        if dup := sorted({c for c in names if names.count(c) > 1}):
+            raise DatasetError(f"{self.path}: column {brief(dup[0])} appears twice: column names must be unique")
 
     def _table(self, records: list[dict[str, Any]]) -> pa.Table:
         if not isinstance(records, list) or not records:
             raise DatasetError(f"{self.path}: write_shard needs a non-empty list of dicts or a pyarrow.Table")
         try:
             return pa.Table.from_pylist(records)
-        except (pa.ArrowException, TypeError, AttributeError) as err:
-            raise DatasetError(f"{self.path}: records are not tabular ({err})") from err
+        except (pa.ArrowException, TypeError, AttributeError, ValueError, OverflowError) as err:
+            raise DatasetError(f"{self.path}: records are not tabular ({brief(str(err))})") from None

@@ -10,7 +10,10 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-__all__ = ["IGNORED", "majority_provenance", "provenance_differences", "provenance_outliers"]
+from steadytrain._io import brief
+from steadytrain.data.index import DatasetError
+
+__all__ = ["IGNORED", "healthy_shards", "majority_provenance", "provenance_differences", "provenance_outliers"]
 
 # Always differ from shard to shard: not evidence of a different production.
 IGNORED = frozenset({"created_at"})
@@ -39,10 +42,15 @@ def majority_provenance(dataset: Any, *, ignore: frozenset[str] = IGNORED) -> di
 
 
 def provenance_differences(dataset: Any, shard_id: int, *, ignore: frozenset[str] = IGNORED) -> dict[str, tuple]:
-    """Fields where shard ``shard_id`` differs from the majority: ``field -> (its value, majority value)``."""
+    """Fields where shard ``shard_id`` differs from the majority: ``field -> (its value, majority value)``.
+
+    Raises:
+        DatasetError: the dataset has no shard ``shard_id``.
+    """
     shard = next((s for s in dataset.shards if s.id == shard_id), None)
     if shard is None:
-        raise KeyError(shard_id)
+        where = f"{dataset.path}: " if hasattr(dataset, "path") else ""
+        raise DatasetError(f"{where}no shard {brief(shard_id)} (see `steadytrain data provenance` for the ids)")
     major = majority_provenance(dataset, ignore=ignore)
     return {f: (shard.provenance.get(f), v) for f, v in major.items() if _key(shard.provenance.get(f)) != _key(v)}
 
@@ -56,3 +64,20 @@ def provenance_outliers(dataset: Any, *, ignore: frozenset[str] = IGNORED) -> di
         if diffs:
             out[s.id] = diffs
     return out
+
+
+def healthy_shards(dataset: Any, *, ignore: frozenset[str] = IGNORED) -> list[int]:
+    """The shards presumed healthy: those whose provenance matches the majority in every field.
+
+    This is the default set to infer a schema from before validating the rest. When no shard matches
+    the majority in every field (each differs somewhere), every shard is returned: there is no
+    majority production to trust more than the others.
+
+    Example:
+        >>> from types import SimpleNamespace as NS
+        >>> ds = NS(shards=[NS(id=i, provenance={"v": "1.1" if i == 3 else "1.0"}) for i in range(5)])
+        >>> healthy_shards(ds)
+        [0, 1, 2, 4]
+    """
+    odd = provenance_outliers(dataset, ignore=ignore)
+    return [s.id for s in dataset.shards if s.id not in odd] or [s.id for s in dataset.shards]

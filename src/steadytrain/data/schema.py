@@ -14,26 +14,27 @@ Types are named as pyarrow names them, with floats by width and lists by item ty
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pyarrow as pa
 import yaml
 
-from steadytrain._io import write_text_atomic
+from steadytrain._io import brief, load_yaml, read_text, write_text_atomic
 from steadytrain.errors import UserError
-
-if TYPE_CHECKING:  # any object with ``shard_ids`` and ``read_shard(id) -> pa.Table`` will do
-    pass
 
 __all__ = ["KINDS", "POLICIES", "FieldSpec", "Schema", "SchemaError", "SchemaViolationError", "dtype_name"]
 
 KINDS = ("missing", "wrong_type", "non_finite", "out_of_range", "unexpected_category")
 POLICIES = ("raise", "drop", "clamp")
 SIDECAR_THRESHOLD = 50  # Schema.save writes longer vocabularies to <schema-stem>.<field>.vocab.txt
+MAX_DTYPE_CHARS = 200  # a type name; bounds the nesting the parser recurses through
+_SAFE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
+_TOKEN = re.compile(r"[\w.+-]{1,40}")  # a vocabulary line that may be quoted back in a message
 _FIELD_KEYS = ("dtype", "min", "max", "allow_nan", "vocabulary", "required")
 _INT = re.compile(r"u?int(8|16|32|64)")
 _NUMERIC = re.compile(r"u?int(8|16|32|64)|float(16|32|64)")
@@ -153,18 +154,30 @@ class Schema:
         if not isinstance(d, dict) or not isinstance(d.get("fields"), dict):
             raise SchemaError(f"{where}: expected a mapping with a 'fields' mapping of column names, got {_short(d)}")
         if extra := sorted(str(k) for k in d if k not in ("fields", "version")):
-            raise SchemaError(f"{where}: unknown top-level key {extra[0]!r} (expected 'fields')")
-        return cls({str(name): _parse_field(where, base, str(name), spec) for name, spec in d["fields"].items()})
+            raise SchemaError(f"{where}: unknown top-level key {brief(extra[0])} (expected 'fields')")
+        for name in d["fields"]:
+            if not isinstance(name, str):
+                raise SchemaError(
+                    f"{where}: field name {brief(name)} is a {type(name).__name__}, not a string: "
+                    "quote it in YAML (column names are strings)"
+                )
+        return cls({name: _parse_field(where, base, name, spec) for name, spec in d["fields"].items()})
 
     def save(self, path: str | Path) -> None:
-        """Write the schema as YAML (atomically), large vocabularies to sidecar files next to it."""
+        """Write the schema as YAML (atomically), large vocabularies to sidecar files next to it.
+
+        A sidecar is named ``<stem>.<field>.vocab.txt``; a field name that is not a plain file name (``a/b``,
+        ``a?b``, ``..``, non-ASCII, very long) or that would clash with another field's sidecar (also on a
+        case-insensitive file system) gets a sanitized name plus a digest of the field name, so every field
+        has its own sidecar and none lies outside the schema's directory.
+        """
         path = Path(path)
         d = self.to_dict()
+        used: set[str] = set()
         for name, spec in d["fields"].items():
             vocab = spec.get("vocabulary")
             if vocab is not None and len(vocab) > SIDECAR_THRESHOLD and all(_line_safe(v) for v in vocab):
-                safe = re.sub(r"[^\w.-]", "_", name)
-                sidecar = path.with_name(f"{path.stem}.{safe}.vocab.txt")
+                sidecar = path.with_name(f"{path.stem}.{_sidecar_part(name, used)}.vocab.txt")
                 write_text_atomic(sidecar, "".join(f"{_vocab_str(v)}\n" for v in vocab))
                 spec["vocabulary"] = sidecar.name
         write_text_atomic(path, yaml.safe_dump(d, sort_keys=False, allow_unicode=True))
@@ -172,17 +185,29 @@ class Schema:
     @classmethod
     def load(cls, path: str | Path) -> Schema:
         """Read a schema written by :meth:`save` (or by hand); malformed content raises :class:`SchemaError`."""
-        path = Path(path)
         try:
-            d = yaml.safe_load(path.read_text(encoding="utf-8"))
-        except yaml.YAMLError as e:
-            raise SchemaError(f"{path}: not valid YAML: {e}") from e
-        return cls.from_dict(d, source=path)
+            d = load_yaml(path, what="schema")
+        except SchemaError:
+            raise
+        except UserError as err:  # the reader's message (names the file), as the error schema callers catch
+            raise SchemaError(str(err)) from None
+        return cls.from_dict(d, source=Path(path))
 
 
-def _short(value: Any, limit: int = 80) -> str:
-    r = repr(value)
-    return r if len(r) <= limit else r[: limit - 3] + "..."
+def _sidecar_part(name: str, used: set[str]) -> str:
+    """A file-name part for field ``name``'s sidecar: the name itself when plain and unused, else made unique."""
+    part = name if _SAFE_NAME.fullmatch(name) and name not in (".", "..") else ""
+    if not part or part.casefold() in used:
+        digest = hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()[:10]
+        part = f"{re.sub(r'[^A-Za-z0-9_-]', '_', name)[:40]}-{digest}"
+        while part.casefold() in used:  # only on a digest collision
+            part += "_"
+    used.add(part.casefold())
+    return part
+
+
+def _short(value: Any) -> str:
+    return brief(value)
 
 
 def _line_safe(v: Any) -> bool:
@@ -195,52 +220,75 @@ def _vocab_str(v: Any) -> str:
 
 def _parse_field(where: str, base: Path, name: str, spec: Any) -> FieldSpec:
     def err(what: str) -> SchemaError:
-        return SchemaError(f"{where}: field {name!r}: {what}")
+        return SchemaError(f"{where}: field {brief(name)}: {what}")
 
     if not isinstance(spec, dict):
         raise err(f"expected a mapping with at least a 'dtype', got {_short(spec)}")
     if unknown := [k for k in spec if k not in _FIELD_KEYS]:
-        raise err(f"unknown key {unknown[0]!r} (expected one of {', '.join(_FIELD_KEYS)})")
+        raise err(f"unknown key {brief(unknown[0])} (expected one of {', '.join(_FIELD_KEYS)})")
     raw = spec.get("dtype")
-    if (dtype := _normalize_dtype(raw) if isinstance(raw, str) else None) is None:
-        raise err(f"'dtype' = {raw!r} is not a type name (expected e.g. 'int64', 'float32', 'string', 'list<float32>')")
+    ok = isinstance(raw, str) and len(raw) <= MAX_DTYPE_CHARS
+    if (dtype := _normalize_dtype(raw) if ok else None) is None:
+        raise err(
+            f"'dtype' = {brief(raw)} is not a type name (expected e.g. 'int64', 'float32', 'string', 'list<float32>')"
+        )
     leaf = _leaf_name(dtype)
     for key in ("min", "max"):
         v = spec.get(key)
         if v is not None and (isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v)):
-            raise err(f"{key!r} = {v!r} is not a finite number (expected an int, a float or null)")
+            raise err(f"{key!r} = {brief(v)} is not a finite number (expected an int, a float or null)")
         if v is not None and not _NUMERIC.fullmatch(leaf):
-            raise err(f"{key!r} = {v!r} is set but dtype {dtype!r} is not numeric")
+            raise err(f"{key!r} = {brief(v)} is set but dtype {dtype!r} is not numeric")
     if spec.get("min") is not None and spec.get("max") is not None and spec["min"] > spec["max"]:
-        raise err(f"'min' = {spec['min']!r} is above 'max' = {spec['max']!r}")
+        raise err(f"'min' = {brief(spec['min'])} is above 'max' = {brief(spec['max'])}")
     for key in ("allow_nan", "required"):
         if key in spec and not isinstance(spec[key], bool):
-            raise err(f"{key!r} = {spec[key]!r} is not a boolean (expected true or false)")
+            raise err(f"{key!r} = {brief(spec[key])} is not a boolean (expected true or false)")
     vocab = spec.get("vocabulary")
     if vocab is not None:
-        kind = "int" if _INT.fullmatch(leaf) else "str" if leaf in ("string", "large_string") else leaf
-        if kind not in ("int", "str", "bool"):
-            raise err(f"'vocabulary' is set but dtype {dtype!r} is not categorical (expected string, bool or integer)")
-        vtype, expected = _VOCAB_TYPES[kind]
-        if isinstance(vocab, str):
-            path = base / vocab
-            try:
-                lines, vocab = path.read_text(encoding="utf-8").split("\n"), []
-            except OSError as e:
-                raise err(
-                    f"'vocabulary' = {vocab!r}: cannot read {path} ({e.strerror or e}); expected a file "
-                    "of values, one per line, relative to the schema file"
-                ) from e
-            for lineno, line in enumerate((line.rstrip("\r") for line in lines), 1):
-                try:
-                    vocab += [_PARSE[kind](line)] if line else []
-                except (KeyError, ValueError):
-                    raise err(f"'vocabulary' file {path}, line {lineno}: {line!r} is not {expected}") from None
-        elif not isinstance(vocab, list):
-            raise err(f"'vocabulary' = {_short(vocab)} is neither a list nor a file path")
-        if bad := [v for v in vocab if not isinstance(v, vtype) or isinstance(v, bool) != (kind == "bool")]:
-            hint = " (quote it in YAML)" if kind == "str" else ""
-            raise err(f"'vocabulary' value {bad[0]!r} is not {expected} as dtype {dtype!r} requires{hint}")
+        vocab = _parse_vocabulary(err, base, vocab, dtype)
     return FieldSpec(
         dtype, spec.get("min"), spec.get("max"), spec.get("allow_nan", False), vocab, spec.get("required", True)
     )
+
+
+def _parse_vocabulary(err: Any, base: Path, vocab: Any, dtype: str) -> list[Any]:
+    """A field's vocabulary: an inline list, or the values of the file it names; every value of the field's type."""
+    leaf = _leaf_name(dtype)
+    kind = "int" if _INT.fullmatch(leaf) else "str" if leaf in ("string", "large_string") else leaf
+    if kind not in ("int", "str", "bool"):
+        raise err(f"'vocabulary' is set but dtype {dtype!r} is not categorical (expected string, bool or integer)")
+    vtype, expected = _VOCAB_TYPES[kind]
+    if isinstance(vocab, str):
+        vocab = _read_vocabulary(err, base, vocab, kind, expected)
+    elif not isinstance(vocab, list):
+        raise err(f"'vocabulary' = {_short(vocab)} is neither a list nor a file path")
+    if bad := [v for v in vocab if not isinstance(v, vtype) or isinstance(v, bool) != (kind == "bool")]:
+        hint = " (quote it in YAML)" if kind == "str" else ""
+        raise err(f"'vocabulary' value {brief(bad[0])} is not {expected} as dtype {dtype!r} requires{hint}")
+    if kind == "int" and (bad := [v for v in vocab if not -(2**63) <= v < 2**64]):
+        raise err(f"'vocabulary' value {brief(bad[0])} does not fit in a 64-bit integer")
+    return vocab
+
+
+def _read_vocabulary(err: Any, base: Path, name: str, kind: str, expected: str) -> list[Any]:
+    """The values of a vocabulary file, one per line. A bad line is quoted back only if it looks like a value:
+    a file that is not a vocabulary (a key, a password file) is never echoed into a message or a log."""
+    path = base / name
+    try:
+        text = read_text(path, what="vocabulary file")
+    except UserError as e:
+        raise err(
+            f"'vocabulary' = {brief(name)}: cannot read it ({e}); expected a file of values, one per line, "
+            "relative to the schema file"
+        ) from None
+    values: list[Any] = []
+    for lineno, line in enumerate((line.rstrip("\r") for line in text.split("\n")), 1):
+        try:
+            values += [_PARSE[kind](line)] if line else []
+        except (KeyError, ValueError):
+            shown = repr(line) if _TOKEN.fullmatch(line) else f"a line of {len(line)} characters"
+            raise err(
+                f"'vocabulary' file {path}, line {lineno}: {shown} is not {expected} (is this a vocabulary file?)"
+            ) from None
+    return values

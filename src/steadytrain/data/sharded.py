@@ -10,9 +10,11 @@ always names one shard, one rank, one position. Each yielded example is a dict o
 from __future__ import annotations
 
 import dataclasses
+import logging
 import operator
 import warnings
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,13 +23,49 @@ import pyarrow as pa
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from steadytrain.data.checks import PolicyCounts, apply_policy
+from steadytrain._check import check_int
+from steadytrain._io import brief
+from steadytrain.data.batched import DEFAULT_SHUFFLE_WINDOW, BatchedMode
 from steadytrain.data.format import CorruptShardError, Dataset, DatasetError, open_dataset
+from steadytrain.data.index import RESERVED_COLUMNS
+from steadytrain.data.order import GlobalLayout
+from steadytrain.data.policy import PolicyCounts, apply_policy
 from steadytrain.data.schema import POLICIES
+from steadytrain.errors import UserError
 
-__all__ = ["ShardedDataset", "assign_shards", "collate_examples"]
+__all__ = ["ShardedDataset", "assign_shards", "collate_examples", "select_shards"]
+
+log = logging.getLogger(__name__)
 
 _ROWS_PER_CHUNK = 8192  # rows converted to Python at a time: bounded memory on large shards
+
+
+def select_shards(dataset: Dataset, shards: list[int] | None) -> list[int]:
+    """The sorted shard ids to read: all of the dataset's, or ``shards``, each once and each in the index.
+
+    Raises:
+        DatasetError: ``shards`` is not a list of integers, names an id twice, or names one not in the index.
+    """
+    if shards is None:
+        return sorted(dataset.shard_ids)
+    if isinstance(shards, str | bytes) or not hasattr(shards, "__iter__"):
+        raise DatasetError(f"shards={brief(shards)} must be a list of shard ids")
+    ids = []
+    for s in shards:
+        try:
+            if isinstance(s, bool | np.bool_):
+                raise TypeError
+            ids.append(operator.index(s))  # int, numpy integers
+        except TypeError:
+            raise DatasetError(f"shards: {brief(s)} is not a shard id (an integer)") from None
+    shards = ids
+    if not shards:
+        raise DatasetError("shards=[] selects no shard: give at least one id, or None for all")
+    if twice := [s for s, n in Counter(shards).items() if n > 1]:
+        raise DatasetError(f"shards: {twice[0]} is listed twice: each shard is read once per epoch")
+    if unknown := sorted(set(shards) - set(dataset.shard_ids)):
+        raise DatasetError(f"{dataset.path}: shards={brief(unknown)} are not in the index")
+    return sorted(shards)
 
 
 def assign_shards(
@@ -61,9 +99,16 @@ class ShardedDataset(IterableDataset):
         skip_corrupt: skip (with a warning, listed in ``skipped_shards``) a shard whose checksum or
             size does not match the index, instead of raising.
         verify: check each shard's sha256 once per process before reading it.
+        batch_size: ``B``: yield micro-batches of ``B`` examples (dicts of column -> tensor or list) in
+            the global order of :mod:`steadytrain.data.order`, the same for any world size; ``None``
+            (default) yields one dict per example, whole shards per rank.
+        accumulation_steps: ``K``, micro-batches per optimizer step (batched mode).
+        shuffle_window: shards whose rows are shuffled together (batched mode; memory: this many shards).
+        transform: ``transform(mb) -> mb``, a vectorized hook applied to every micro-batch (batched mode).
 
     Raises:
-        ValueError: bad rank/world size/policy, or unknown shard ids.
+        UserError: bad rank/world size/policy/seed/epoch (a ``ValueError``).
+        DatasetError: shard ids twice, or not in the index.
     """
 
     def __init__(
@@ -80,24 +125,42 @@ class ShardedDataset(IterableDataset):
         policy: str = "raise",
         skip_corrupt: bool = False,
         verify: bool = True,
+        batch_size: int | None = None,
+        accumulation_steps: int = 1,
+        shuffle_window: int = DEFAULT_SHUFFLE_WINDOW,
+        transform: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
     ) -> None:
         super().__init__()
         self.dataset = path if isinstance(path, Dataset) else open_dataset(path)
-        if not (isinstance(world_size, int) and world_size >= 1):
-            raise ValueError(f"world_size={world_size!r} must be an integer >= 1")
-        if not (isinstance(rank, int) and 0 <= rank < world_size):
-            raise ValueError(f"rank={rank!r} must be in [0, world_size={world_size})")
+        check_int("world_size", world_size, 1)
+        if check_int("rank", rank, 0) >= world_size:
+            raise UserError(f"rank={rank} must be in [0, world_size={world_size})")
+        check_int("seed", seed, 0)
+        check_int("epoch", epoch, 0)
         if policy not in POLICIES:
-            raise ValueError(f"policy={policy!r} is unknown: use one of {', '.join(POLICIES)}")
-        known = set(self.dataset.shard_ids)
-        if shards is not None:
-            unknown = sorted(set(shards) - known)
-            if unknown:
-                raise DatasetError(f"{self.dataset.path}: shards={unknown} are not in the index")
-        self.shard_ids = sorted(shards) if shards is not None else sorted(known)
+            raise UserError(f"policy={brief(policy)} is unknown: use one of {', '.join(POLICIES)}")
+        self.shard_ids = select_shards(self.dataset, shards)
+        if batch_size is None and rank >= len(self.shard_ids):
+            log.warning(
+                "rank %d of %d gets no shards (%s has %d selected): it yields no examples; "
+                "use at most %d ranks or write more, smaller shards",
+                rank, world_size, self.dataset.path, len(self.shard_ids), max(len(self.shard_ids), 1),
+            )  # fmt: skip
         self.rank, self.world_size, self.shuffle, self.seed = rank, world_size, shuffle, seed
         self.schema, self.policy, self.skip_corrupt, self.verify = schema, policy, skip_corrupt, verify
         self.epoch = epoch
+        self._mode: BatchedMode | None = None
+        if batch_size is not None:
+            if skip_corrupt:
+                raise UserError(
+                    "skip_corrupt needs the per-example mode: in batched mode select shards with shards=[...]"
+                )
+            layout = GlobalLayout(batch_size, accumulation_steps, world_size)
+            self._mode = BatchedMode(
+                self.dataset, self.shard_ids, rank=rank, layout=layout, shuffle=shuffle, seed=seed,
+                window=shuffle_window, schema=schema, policy=policy, transform=transform, verify=verify,
+            )  # fmt: skip
+            self._mode.epoch = epoch
         self._shard_pos = 0  # shards of this rank's epoch order fully consumed
         self._row_base, self._chunk = 0, None  # examples yielded from the current shard (see _row)
         self.counts = PolicyCounts()  # rows dropped / clamped by the load-time policy, per field and kind
@@ -105,7 +168,31 @@ class ShardedDataset(IterableDataset):
 
     def set_epoch(self, epoch: int) -> None:
         """Start ``epoch`` from its beginning (a new shard order when shuffling)."""
-        self.epoch, self._shard_pos, self._row = epoch, 0, 0
+        self.epoch, self._shard_pos, self._row = check_int("epoch", epoch, 0), 0, 0
+        if self._mode is not None:
+            self._mode.epoch, self._mode.micro = epoch, 0
+
+    # -- batched mode: the numbers of the global order ---------------------------------------------
+
+    def _batched(self, name: str) -> BatchedMode:
+        if self._mode is None:
+            raise AttributeError(f"{name} is defined in batched mode: give batch_size")
+        return self._mode
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Optimizer steps per epoch, the same on every rank (batched mode)."""
+        return self._batched("steps_per_epoch").steps_per_epoch
+
+    @property
+    def global_batch_size(self) -> int:
+        """``G = batch_size x accumulation_steps x world_size`` (batched mode)."""
+        return self._batched("global_batch_size").layout.global_batch_size
+
+    @property
+    def dropped_per_epoch(self) -> int:
+        """Examples per epoch past the last full global batch, not used (batched mode)."""
+        return self._batched("dropped_per_epoch").dropped_per_epoch
 
     def rank_shards(self, epoch: int | None = None) -> list[int]:
         """The shards this rank reads in ``epoch`` (default: the current one), in order."""
@@ -119,24 +206,66 @@ class ShardedDataset(IterableDataset):
         )
 
     def __len__(self) -> int:
-        """Examples of this rank's shards in the current epoch, before any are dropped."""
+        """Examples of this rank's shards in the current epoch, before any are dropped (batched mode:
+        this rank's micro-batches per epoch)."""
+        if self._mode is not None:
+            return len(self._mode)
         return sum(self.dataset.shard(s).records for s in self.rank_shards())
 
-    def state_dict(self) -> dict[str, Any]:
-        """The position in the epoch: resuming yields exactly the examples not yet yielded."""
+    def _identity(self) -> dict[str, Any]:
+        """What a position refers to: the data (ids and checksums), the ranks, the order."""
         return {
+            "mode": "example",
+            "dataset": self.dataset.fingerprint(self.shard_ids),
+            "shards": list(self.shard_ids),
+            "world_size": self.world_size,
+            "rank": self.rank,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position in the epoch, and what it belongs to: resuming yields exactly the examples not yet
+        yielded, and :meth:`load_state_dict` refuses a state of other data, ranks or order."""
+        if self._mode is not None:
+            return self._mode.state_dict()
+        return {
+            **self._identity(),
             "epoch": self.epoch,
             "shard_pos": self._shard_pos,
             "row": self._row,
-            "seed": self.seed,
             "counts": dataclasses.asdict(self.counts),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state["seed"] != self.seed:
-            raise ValueError(f"checkpoint seed {state['seed']} != dataset seed {self.seed}: resume with the same seed")
-        self.epoch, self._shard_pos, self._row = state["epoch"], state["shard_pos"], state["row"]
-        self.counts = PolicyCounts(**state["counts"]) if "counts" in state else PolicyCounts()
+        """Resume at the position of ``state`` (from :meth:`state_dict` of the same dataset, ranks and seed).
+
+        Raises:
+            UserError: the state is malformed, or belongs to another dataset or shard selection, world size,
+                rank, seed or shuffle setting (the message names each difference).
+        """
+        if not isinstance(state, dict):
+            raise UserError(f"ShardedDataset state must be a mapping from state_dict(), got {type(state).__name__}")
+        if self._mode is not None:
+            return self._mode.load_state_dict(state)
+        mine = self._identity()
+        if state.get("mode", "example") != "example":
+            raise UserError(f"state is a {brief(state.get('mode'))} state: load it into a dataset of that mode")
+        if missing := [k for k in (*mine, "epoch", "shard_pos", "row") if k not in state]:
+            raise UserError(f"ShardedDataset state lacks {', '.join(missing)}: not a state_dict() of this version")
+        if diffs := [f"{k} {brief(state[k])} != {brief(v)}" for k, v in mine.items() if state[k] != v]:
+            raise UserError(
+                f"ShardedDataset state belongs to another run ({'; '.join(diffs)}): resume with the same dataset, "
+                "shards, world size, rank, seed and shuffle (or start the epoch afresh)"
+            )
+        epoch = check_int("state epoch", state["epoch"], 0)
+        pos = check_int("state shard_pos", state["shard_pos"], 0)
+        row = check_int("state row", state["row"], 0)
+        try:
+            counts = PolicyCounts(**state["counts"]) if "counts" in state else PolicyCounts()
+        except TypeError:
+            raise UserError(f"ShardedDataset state: 'counts' = {brief(state['counts'])} is malformed") from None
+        self.epoch, self._shard_pos, self._row, self.counts = epoch, pos, row, counts
 
     def _load(self, sid: int) -> tuple[pa.Table, np.ndarray] | None:
         try:
@@ -167,6 +296,11 @@ class ShardedDataset(IterableDataset):
 
     def _prepare(self, sid: int, table: pa.Table, indices: np.ndarray) -> pa.Table:
         """The shard's table in this epoch's order, with ``shard`` and ``index`` columns added."""
+        if clash := [c for c in RESERVED_COLUMNS if c in table.column_names]:
+            raise DatasetError(
+                f"{self.dataset.path}: shard {sid} has its own column {clash[0]!r}, which the reader adds to "
+                "every example: rename it in the data"
+            )
         n = table.num_rows
         if self.shuffle:
             order = np.random.default_rng([self.seed, self.epoch, sid]).permutation(n)
@@ -175,6 +309,9 @@ class ShardedDataset(IterableDataset):
         return table.append_column("index", pa.array(indices))
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
+        return iter(self._mode) if self._mode is not None else self._examples()
+
+    def _examples(self) -> Iterator[dict[str, Any]]:
         worker = get_worker_info()
         wid, nworkers = (worker.id, worker.num_workers) if worker is not None else (0, 1)
         if nworkers > 1 and (self._shard_pos or self._row):

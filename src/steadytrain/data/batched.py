@@ -1,0 +1,288 @@
+"""Batched mode of ``ShardedDataset``: columnar micro-batches in one global order for any world size.
+
+``ShardedDataset(path, batch_size=B, accumulation_steps=K, rank=r, world_size=W)`` yields this
+rank's micro-batches: dicts of column -> tensor (numeric) or list (strings), with ``shard`` and
+``index`` always present. The order is defined globally (see :mod:`steadytrain.data.order`), so:
+
+- every rank yields exactly ``steps_per_epoch · K`` micro-batches per epoch (no DDP hang on uneven
+  shards); the remainder ``N mod G`` is dropped and reported as ``dropped_per_epoch``;
+- optimizer step ``s`` holds the same examples whatever ``W``, ``K`` and ``B`` are (with ``G`` fixed),
+  so a run resumes on another number of ranks, and :func:`global_batch` replays one step on one process.
+
+What each rank reads: every shard of every window it has a micro-batch in (with ``W`` ranks on one
+node the shards are read ``W`` times, from the OS page cache after the first). Memory: one window,
+``shuffle_window`` shards as Arrow tables (decoded), plus this rank's rows of it. A larger window
+shuffles better and costs proportionally more memory; the default, 8 shards, is a few hundred MB for
+shards of ~50 MB decoded. Load-time policies that may drop rows (``drop``, ``clamp``) need each
+shard's surviving row count before the first step: a counting pass reads the shards once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import torch
+from torch.utils.data import get_worker_info
+
+from steadytrain._check import check_int
+from steadytrain.data.format import Dataset, DatasetError
+from steadytrain.data.order import GlobalLayout, check_layout_fits, epoch_windows, window_permutation
+from steadytrain.data.policy import PolicyCounts, apply_policy
+from steadytrain.errors import UserError
+
+__all__ = ["DEFAULT_SHUFFLE_WINDOW", "BatchedMode", "global_batch", "micro_batch_dict"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SHUFFLE_WINDOW = 8  # shards shuffled together
+_NUMERIC = (pa.types.is_integer, pa.types.is_floating, pa.types.is_boolean)
+
+
+def _column(col: pa.ChunkedArray | pa.Array) -> Any:
+    arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+    if pa.types.is_dictionary(arr.type):
+        arr = arr.cast(arr.type.value_type)
+    if any(is_type(arr.type) for is_type in _NUMERIC):
+        # Zero-copy when the column has no nulls (Arrow keeps the buffer alive); nulls become NaN.
+        return torch.from_numpy(arr.to_numpy(zero_copy_only=False))
+    if pa.types.is_fixed_size_list(arr.type) and arr.null_count == 0 and any(f(arr.type.value_type) for f in _NUMERIC):
+        # Fixed-length numeric rows (token ids, feature vectors): one [rows, size] tensor.
+        flat = arr.flatten().to_numpy(zero_copy_only=False)
+        return torch.from_numpy(flat).reshape(len(arr), arr.type.list_size)
+    return arr.to_pylist()
+
+
+def micro_batch_dict(table: pa.Table) -> dict[str, Any]:
+    """A micro-batch as a dict of column -> tensor (numeric columns) or list (strings, nested)."""
+    with warnings.catch_warnings():  # Arrow buffers are read-only: torch warns, we never write to them
+        warnings.simplefilter("ignore", UserWarning)
+        return {name: _column(table.column(name)) for name in table.column_names}
+
+
+class BatchedMode:
+    """The state and iteration of the batched mode; :class:`ShardedDataset` delegates to it."""
+
+    def __init__(
+        self,
+        dataset: Dataset,
+        shard_ids: list[int],
+        *,
+        rank: int,
+        layout: GlobalLayout,
+        shuffle: bool,
+        seed: int,
+        window: int,
+        schema: Any,
+        policy: str,
+        transform: Callable[[dict[str, Any]], dict[str, Any]] | None,
+        verify: bool,
+    ) -> None:
+        if transform is not None and not callable(transform):
+            raise UserError(f"transform={transform!r} is not callable: give a function mb -> mb")
+        self.dataset, self.shard_ids, self.rank, self.layout = dataset, shard_ids, rank, layout
+        self.shuffle, self.seed, self.window = shuffle, seed, check_int("shuffle_window", window)
+        self.schema, self.policy, self.transform, self.verify = schema, policy, transform, verify
+        self.fingerprint = dataset.fingerprint(shard_ids)
+        self.counts = PolicyCounts()
+        self._rows = self._row_counts()
+        total = sum(self._rows.values())
+        self.steps_per_epoch = check_layout_fits(layout, total, str(dataset.path))
+        self.dropped_per_epoch = total - self.steps_per_epoch * layout.global_batch_size
+        self.epoch, self.micro = 0, 0  # micro-batches of this rank consumed in the epoch
+
+    def _row_counts(self) -> dict[int, int]:
+        """Rows per shard as the order sees them (after a policy that may drop rows)."""
+        if self.schema is None or self.policy == "raise":
+            return {sid: self.dataset.shard(sid).records for sid in self.shard_ids}
+        log.info("counting the rows the %s policy keeps in %d shards", self.policy, len(self.shard_ids))
+        return {sid: self._read(sid, count=False).num_rows for sid in self.shard_ids}
+
+    def _read(self, sid: int, *, count: bool = True) -> pa.Table:
+        table = self.dataset.read_shard(sid, verify=self.verify)
+        clash = {"shard", "index"} & set(table.column_names)
+        if clash:
+            raise DatasetError(
+                f"shard {sid}: has its own column(s) {sorted(clash)}, which the reader adds: rename them"
+            )
+        indices = np.arange(table.num_rows, dtype=np.int64)
+        if self.schema is not None:
+            table, indices, counts = apply_policy(table, self.schema, self.policy, shard=sid)
+            if count:
+                self.counts.add(counts)
+        table = table.append_column("shard", pa.array(np.full(table.num_rows, sid, dtype=np.int64)))
+        return table.append_column("index", pa.array(indices, type=pa.int64()))
+
+    def _load_window(self, shards: list[int]) -> pa.Table:
+        tables = [self._read(sid) for sid in shards]
+        for sid, t in zip(shards, tables, strict=True):
+            if t.num_rows != self._rows[sid]:
+                raise DatasetError(f"shard {sid}: {t.num_rows} rows now, {self._rows[sid]} when counted (changed?)")
+        return pa.concat_tables(tables, promote_options="none") if len(tables) > 1 else tables[0]
+
+    def __len__(self) -> int:
+        return self.steps_per_epoch * self.layout.accumulation_steps
+
+    def _my_micro_batches(self, wid: int, nworkers: int) -> Iterator[tuple[int, int, int]]:
+        """``(m, start, stop)`` of this rank's (and worker's) remaining micro-batches, in order."""
+        k, first = self.layout.accumulation_steps, self.micro
+        for m in range(first, len(self)):
+            if (m - first) % nworkers == wid:
+                start = self.layout.micro_batch_start(step=m // k, micro=m % k, rank=self.rank)
+                yield m, start, start + self.layout.batch_size
+
+    def iter_tables(self) -> Iterator[tuple[int, pa.Table]]:
+        """``(micro-batch number, table)`` of this rank's remaining micro-batches in the epoch."""
+        worker = get_worker_info()
+        wid, nworkers = (worker.id, worker.num_workers) if worker is not None else (0, 1)
+        mine = self._my_micro_batches(wid, nworkers)
+        nxt = next(mine, None)
+        pending: list[pa.Table] = []
+        ws = 0
+        windows = epoch_windows(
+            self.shard_ids, seed=self.seed, epoch=self.epoch, shuffle=self.shuffle, window=self.window
+        )
+        for wi, shards in enumerate(windows):
+            we = ws + sum(self._rows[s] for s in shards)
+            ranges = []  # (m, a, b, stop): the part [a, b) of micro-batch m inside this window
+            while nxt is not None and nxt[1] < we:
+                m, start, stop = nxt
+                if stop > ws:
+                    ranges.append((m, max(start, ws), min(stop, we), stop))
+                if stop > we:
+                    break  # continues in the next window
+                nxt = next(mine, None)
+            if ranges:
+                part = self._take(self._load_window(shards), ranges, ws, wi)
+                off = 0
+                for m, a, b, stop in ranges:
+                    pending.append(part.slice(off, b - a))
+                    off += b - a
+                    if b == stop:
+                        yield m, pending[0] if len(pending) == 1 else pa.concat_tables(pending)
+                        pending = []
+            ws = we
+            if nxt is None:
+                return
+
+    def _take(self, table: pa.Table, ranges: list[tuple[int, int, int, int]], ws: int, wi: int) -> pa.Table:
+        """This rank's rows of a window, in consumption order: one gather (or a zero-copy slice)."""
+        perm = window_permutation(
+            table.num_rows, seed=self.seed, epoch=self.epoch, window_index=wi, shuffle=self.shuffle
+        )
+        if perm is None and all(r[1] == n[2] for r, n in zip(ranges[1:], ranges, strict=False)):
+            return table.slice(ranges[0][1] - ws, ranges[-1][2] - ranges[0][1])  # contiguous: no copy
+        pos = np.concatenate([np.arange(a - ws, b - ws) for _, a, b, _ in ranges])
+        return table.take(pa.array(perm[pos] if perm is not None else pos))
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        for m, table in self.iter_tables():
+            mb = micro_batch_dict(table)
+            if self.transform is not None:
+                mb = self._apply_transform(mb, table.num_rows)
+            self.micro = m + 1
+            yield mb
+
+    def _apply_transform(self, mb: dict[str, Any], n: int) -> dict[str, Any]:
+        out = self.transform(mb)
+        if not isinstance(out, dict):
+            raise UserError(f"transform returned {type(out).__name__}, not a dict of columns: return the micro-batch")
+        for key, value in out.items():
+            if len(value) != n:
+                raise UserError(f"transform changed the batch length: column {key!r} has {len(value)} rows, not {n}")
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        lay = self.layout
+        return {
+            "mode": "batched",
+            "epoch": self.epoch,
+            "micro": self.micro,
+            "step": self.micro // lay.accumulation_steps,
+            "seed": self.seed,
+            "global_batch_size": lay.global_batch_size,
+            "batch_size": lay.batch_size,
+            "accumulation_steps": lay.accumulation_steps,
+            "world_size": lay.world_size,
+            "rank": self.rank,
+            "shuffle": self.shuffle,
+            "shuffle_window": self.window,
+            "dataset": self.fingerprint,
+            "counts": dataclasses.asdict(self.counts),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume: the same layout continues at the next micro-batch; another ``W``/``K``/``B`` with the
+        same global batch continues at the next optimizer step."""
+        if not isinstance(state, dict) or state.get("mode") != "batched":
+            raise UserError("state is not a batched ShardedDataset state (per-example state into a batched dataset?)")
+        lay = self.layout
+        for key, mine, why in (
+            ("dataset", self.fingerprint, "another dataset or shard selection"),
+            ("seed", self.seed, "another seed gives another order"),
+            ("global_batch_size", lay.global_batch_size, "optimizer steps would hold other examples"),
+            ("shuffle", self.shuffle, "another order"),
+            ("shuffle_window", self.window, "another order"),
+        ):
+            if state.get(key) != mine:
+                raise UserError(
+                    f"state {key}={state.get(key)!r} != this dataset's {mine!r}: {why}; resume with the same"
+                )
+        same_layout = (state["batch_size"], state["accumulation_steps"]) == (lay.batch_size, lay.accumulation_steps)
+        same_layout = same_layout and state["world_size"] == lay.world_size
+        if not same_layout and state["micro"] % state["accumulation_steps"]:
+            raise UserError(
+                "state was saved in the middle of an optimizer step: with another world size, accumulation or "
+                "batch size, resume from a state saved at a step boundary"
+            )
+        self.epoch = state["epoch"]
+        self.micro = state["micro"] if same_layout else state["step"] * lay.accumulation_steps
+        self.counts = PolicyCounts(**state["counts"])
+
+
+def global_batch(
+    path: str | Path | Dataset,
+    step: int,
+    *,
+    global_batch_size: int,
+    seed: int,
+    epoch: int | None = None,
+    shuffle: bool = True,
+    shuffle_window: int = DEFAULT_SHUFFLE_WINDOW,
+    shards: list[int] | None = None,
+    schema: Any = None,
+    policy: str = "raise",
+) -> dict[str, Any]:
+    """The exact examples of optimizer step ``step``, on one process (replay a step of any world size).
+
+    ``step`` counts optimizer steps from the start of training; with ``epoch`` it counts within that
+    epoch. The result holds the step's ``global_batch_size`` examples (``shard``, ``index`` included)
+    in global order; every rank's micro-batches of that step together are exactly these examples.
+    """
+    from steadytrain.data.sharded import ShardedDataset
+
+    check_int("step", step, 0)
+    ds = ShardedDataset(
+        path,
+        batch_size=check_int("global_batch_size", global_batch_size),
+        shuffle=shuffle,
+        seed=seed,
+        shuffle_window=shuffle_window,
+        shards=shards,
+        schema=schema,
+        policy=policy,
+    )
+    spe = ds.steps_per_epoch
+    if epoch is None:
+        epoch, step = divmod(step, spe)
+    elif step >= spe:
+        raise UserError(f"step={step} is past the {spe} optimizer steps of an epoch")
+    ds.set_epoch(epoch)
+    ds._mode.micro = step
+    return next(iter(ds))
