@@ -472,7 +472,8 @@ def test_cli_lock_manifest_and_for_conflict(tmp_path):
 
 
 def test_cli_lock_for_unknown_distribution(tmp_path):
-    assert_refused(run("lock", "--for", "no-such-dist$(id)"), "--for", "not installed")
+    assert_refused(run("lock", "--for", "no-such-dist"), "--for", "not installed")
+    assert_refused(run("lock", "--for", "no-such-dist$(id)"), "--for", "not a distribution name")
 
 
 @pytest.mark.parametrize(

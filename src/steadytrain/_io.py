@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import math
 import os
 import reprlib
+import stat
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -70,23 +72,87 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+_KINDS = {
+    stat.S_IFDIR: "a directory",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+    stat.S_IFIFO: "a FIFO",
+    stat.S_IFSOCK: "a socket",
+    stat.S_IFLNK: "a symbolic link",
+}
+
+
+def _kind(mode: int) -> str:
+    return _KINDS.get(stat.S_IFMT(mode), "not a regular file")
+
+
+def _umask() -> int:
+    """The process umask, read without changing it (``os.umask`` would, racing other threads' file creation)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _output_path(given: str | Path, replace: bool) -> Path:
+    """Where a write to ``given`` lands: a symlink's target (``replace``), never a device, FIFO or directory."""
+    path = Path(given)
+    if path.name in ("", ".", "..") or os.fspath(given).endswith(("/", os.sep)):
+        raise UserError(f"output path {brief(os.fspath(given))} is not a file name: name the file to write")
+    if replace and path.is_symlink():
+        resolved = Path(os.path.realpath(path))
+        if resolved.is_symlink():  # realpath gives up on a loop and returns a link
+            raise UserError(f"{path}: is a symbolic link that loops (too many levels of symbolic links)")
+        path = resolved
+    try:
+        mode = path.lstat().st_mode
+    except OSError:
+        return path  # absent (created), or its directory is wrong (mkstemp says which)
+    if not stat.S_ISREG(mode) and not (stat.S_ISLNK(mode) and not replace):
+        raise UserError(f"{path}: not a regular file ({_kind(mode)}): writing would replace it; name a file")
+    return path
+
+
+def _cannot_create(path: Path, err: OSError) -> UserError:
+    if isinstance(err, FileNotFoundError | NotADirectoryError):
+        return UserError(f"{path}: directory {str(path.parent)!r} does not exist: create it first")
+    if isinstance(err, PermissionError):
+        return UserError(f"{path}: directory {str(path.parent)!r} is not writable")
+    return UserError(f"{path}: cannot create a file in {str(path.parent)!r} ({err.strerror or err})")
+
+
 def write_atomic(path: str | Path, write: Callable[[IO[bytes]], None], *, replace: bool = True) -> None:
     """Create or replace ``path`` in one step with what ``write(file)`` writes.
 
     Readers see the old file or the new one, never a mix. With ``replace=False`` an existing file is
     never overwritten (``FileExistsError``), also when another process creates it at the same time.
+    A symlink is followed (its target is replaced); a device, FIFO, socket or directory is never
+    replaced. A new file gets the usual mode (``0o666`` less the umask), a replaced one keeps its mode.
 
     Raises:
-        UserError: the directory does not exist or is not writable.
+        UserError: the name is not a file name, names something that is not a regular file, the
+            directory does not exist or is not writable, or the write fails (disk full: names the file).
     """
-    path = Path(path)
+    given, path = Path(path), _output_path(path, replace)
+    try:
+        mode = stat.S_IMODE(path.stat().st_mode) if replace else None
+    except OSError:
+        mode = None
     try:
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    except (FileNotFoundError, NotADirectoryError):
-        raise UserError(f"{path}: directory {str(path.parent)!r} does not exist: create it first") from None
-    except PermissionError:
-        raise UserError(f"{path}: directory {str(path.parent)!r} is not writable") from None
+    except OSError as err:
+        if path == given:
+            raise _cannot_create(path, err) from None
+        # dangling, or /dev/stdout -> /proc/self/fd/1 -> pipe:[...]
+        where = f"is a symbolic link to {one_line(path)}, where no file can be created"
+        raise UserError(f"{given}: {where} ({err.strerror or err})") from None
     try:
+        os.fchmod(fd, mode if mode is not None else 0o666 & ~_umask())
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
@@ -96,9 +162,11 @@ def write_atomic(path: str | Path, write: Callable[[IO[bytes]], None], *, replac
         else:
             os.link(tmp, path)  # fails if path exists: no rename can silently replace a file
             os.unlink(tmp)
-    except BaseException:
+    except BaseException as err:
         Path(tmp).unlink(missing_ok=True)
-        raise
+        if (isinstance(err, FileExistsError) and not replace) or not isinstance(err, OSError):
+            raise
+        raise UserError(f"{path}: cannot write the file ({err.strerror or err}); nothing was written") from None
     _fsync_dir(path.parent)
 
 
@@ -108,28 +176,74 @@ def write_text_atomic(path: str | Path, text: str) -> None:
     write_atomic(path, lambda f: f.write(data))
 
 
-def append_jsonl(path: str | Path, record: dict[str, Any]) -> None:
-    """Append one JSON line and flush it to disk (one ``write`` call: lines from several processes never interleave)."""
-    line = (json.dumps(record, allow_nan=False, default=str) + "\n").encode("utf-8")
+def append_jsonl(path: str | Path, *records: dict[str, Any]) -> None:
+    """Append JSON lines and flush them to disk in one ``write`` (lines from several processes never interleave).
+
+    Values must be JSON: NaN and infinities are refused (``ValueError``) before anything is written.
+    """
+    data = "".join(json.dumps(r, allow_nan=False, default=str) + "\n" for r in records).encode("utf-8")
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
-        os.write(fd, line)
+        os.write(fd, data)
         os.fsync(fd)
     finally:
         os.close(fd)
 
 
+def _special_file(path: Path, mode: int, what: str) -> UserError:
+    if stat.S_ISDIR(mode):
+        return UserError(f"{path}: is a directory, not a {what}")
+    return UserError(f"{path}: not a regular file ({_kind(mode)}): name a {what} saved in a file")
+
+
+def _read_fd(fd: int, path: Path, what: str, max_bytes: int, first: bytes = b"") -> bytes:
+    """``first`` and the rest of ``fd``, at most ``max_bytes`` (a growing file or procfs cannot get past it)."""
+    chunks, total = [first], len(first)
+    while total <= max_bytes:
+        chunk = os.read(fd, min(1 << 20, max_bytes + 1 - total))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        total += len(chunk)
+    if total > max_bytes:
+        raise UserError(f"{path}: more than {max_bytes} bytes is too large for a {what}")
+    return b"".join(chunks)
+
+
 def read_text(path: str | Path, *, what: str = "file", max_bytes: int = MAX_TEXT_BYTES) -> str:
-    """The UTF-8 text of a file a user named, or a :class:`UserError` that says what is wrong with it."""
+    """The UTF-8 text of a file a user named, or a :class:`UserError` that says what is wrong with it.
+
+    A regular file is read up to ``max_bytes``; a pipe is read to its end (``<(command)`` works) but a
+    FIFO nothing writes to is refused rather than waited on; a device, socket or directory is refused
+    without being opened, so naming ``/dev/zero`` or a terminal never hangs.
+    """
     path = Path(path)
     try:
-        size = path.stat().st_size
-        if path.is_dir():
-            raise UserError(f"{path}: is a directory, not a {what}")
-        if size > max_bytes:
-            raise UserError(f"{path}: {size} bytes is too large for a {what} (at most {max_bytes})")
-        with open(path, "rb") as f:
-            data = f.read(max_bytes + 1)
+        mode = path.stat().st_mode  # before opening: opening some devices has effects
+        if not (stat.S_ISREG(mode) or stat.S_ISFIFO(mode)):
+            raise _special_file(path, mode, what)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))  # a FIFO: no wait for a writer
+        try:
+            st = os.fstat(fd)  # what was opened, not what the name pointed to a moment ago
+            if stat.S_ISFIFO(st.st_mode):
+                try:
+                    first = os.read(fd, 1 << 16)
+                except BlockingIOError:  # a writer is there and has not written yet: wait for it
+                    first = None
+                if first == b"":
+                    kind = "a FIFO nothing writes to"
+                    raise UserError(f"{path}: not a regular file ({kind}): name a {what} saved in a file")
+                os.set_blocking(fd, True)
+                data = _read_fd(fd, path, what, max_bytes, first or b"")
+            elif stat.S_ISREG(st.st_mode):
+                if st.st_size > max_bytes:
+                    raise UserError(f"{path}: {st.st_size} bytes is too large for a {what} (at most {max_bytes})")
+                os.set_blocking(fd, True)
+                data = _read_fd(fd, path, what, max_bytes)
+            else:
+                raise _special_file(path, st.st_mode, what)
+        finally:
+            os.close(fd)
     except FileNotFoundError:
         raise UserError(f"{path}: no such {what}") from None
     except PermissionError:
@@ -146,15 +260,38 @@ def _reject_constant(name: str) -> float:
     raise ValueError(f"{name} is not JSON")
 
 
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e400 would silently become inf
+        raise ValueError(f"the number {text[:40]} is out of range")
+    return value
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:  # json.loads would keep the last one silently
+            raise ValueError(f"key {brief(key)} is given twice in one object")
+        out[key] = value
+    return out
+
+
 def load_json(path: str | Path, *, what: str = "JSON file") -> Any:
-    """Parse a JSON file (strict: no NaN/Infinity), or a :class:`UserError` naming the file and line."""
+    """Parse a JSON file, or a :class:`UserError` naming the file (and line).
+
+    Strict: no NaN/Infinity, no number that overflows to infinity, no key twice in one object.
+    """
     text = read_text(path, what=what)
     try:
-        return json.loads(text, parse_constant=_reject_constant)
+        return json.loads(
+            text, parse_constant=_reject_constant, parse_float=_finite_float, object_pairs_hook=_unique_keys
+        )
     except json.JSONDecodeError as err:
         raise UserError(f"{path}: {what} is not valid JSON (line {err.lineno}: {err.msg})") from None
-    except (ValueError, RecursionError) as err:
-        raise UserError(f"{path}: {what} is not valid JSON ({brief(str(err))})") from None
+    except RecursionError:
+        raise UserError(f"{path}: {what} nests too deeply to be read") from None
+    except ValueError as err:
+        raise UserError(f"{path}: {what} is not valid JSON ({one_line(err)})") from None
 
 
 def _count_nodes(value: Any, budget: int) -> int:
@@ -173,10 +310,34 @@ def _count_nodes(value: Any, budget: int) -> int:
     return seen
 
 
+class _StrictLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a key given twice in one mapping (safe_load keeps the last silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # '<<: *base' may be overridden: not a duplicate
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                duplicate = key in seen
+                seen.add(key)
+            except TypeError:  # an unhashable key: the base class says so
+                continue
+            if duplicate:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {brief(key)} is given twice in one mapping", key_node.start_mark
+                )
+        return super().construct_mapping(node, deep=deep)
+
+
 def parse_yaml(text: str, *, source: str, what: str = "YAML file") -> Any:
-    """``yaml.safe_load`` with the size after alias expansion bounded (an alias bomb is an error, not a hang)."""
+    """``yaml.safe_load`` with the size after alias expansion bounded (an alias bomb is an error, not a hang).
+
+    A key given twice in one mapping is an error, not a silent override.
+    """
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_StrictLoader)  # a SafeLoader: builds plain data only
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" (line {mark.line + 1})" if mark is not None else ""

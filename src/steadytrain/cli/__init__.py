@@ -10,6 +10,7 @@ from steadytrain._io import one_line
 from steadytrain.cli.data import data
 from steadytrain.cli.env import env
 from steadytrain.cli.plan import plan
+from steadytrain.cli.train import config_group, train
 from steadytrain.errors import UserError
 
 
@@ -19,6 +20,8 @@ def cli() -> None:
     """steadytrain: the parts of PyTorch training that quietly break runs, right by construction."""
 
 
+cli.add_command(train)
+cli.add_command(config_group)
 cli.add_command(plan)
 cli.add_command(env)
 cli.add_command(data)
@@ -32,6 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     except click.exceptions.Abort:
         click.echo("aborted", err=True)
         return 130
+    except click.exceptions.NoArgsIsHelpError as err:  # `steadytrain env` alone: the group's help, as help
+        click.echo(err.ctx.get_help(), err=True)
+        return 2
     except click.ClickException as err:
         click.echo(f"error: {one_line(err.format_message())}", err=True)
         return err.exit_code if err.exit_code in (1, 2) else 2

@@ -105,6 +105,10 @@ def lock_cmd(output: str | None, manifest_path: str | None, roots: tuple[str, ..
     manifest = _manifest(manifest_path)
     only = exclude = None
     if roots:
+        from steadytrain.env import grammar
+
+        for root in roots:
+            grammar.dist_name("--for", root)
         try:
             only = requirement_closure(roots)
         except KeyError as err:

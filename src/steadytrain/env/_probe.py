@@ -25,6 +25,10 @@ from packaging.utils import canonicalize_name
 _SECRET = re.compile(r"TOKEN|KEY|SECRET|PASS(WORD|WD)?|CREDENTIAL|AUTH|PRIVATE|COOKIE|SESSION|SIGNATURE", re.I)
 # The userinfo of a URL (``scheme://user:password@host``): greedy up to the authority's last '@'.
 _URL_USERINFO = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://)[^/?#\s]*@")
+# ``user:password@host`` without a scheme (NCCL_COMM_ID-style values), at the start or after a separator.
+_BARE_USERINFO = re.compile(r"(?<![^\s,;=])[^\s,;=/@:]+:[^\s,;=/]*@")
+# ``name=value`` where the name looks secret: a URL query (``?token=``), a DSN, an embedded assignment.
+_SECRET_PAIR = re.compile(rf"((?:[A-Za-z0-9_.-]*(?:{_SECRET.pattern})[A-Za-z0-9_.-]*)=)[^&;,\s]*", re.I)
 # Knobs recorded when set: determinism, threading, device visibility, and every NCCL_*/TORCH_NCCL_*.
 _SETTINGS_ENV = (
     "CUBLAS_WORKSPACE_CONFIG",
@@ -47,13 +51,18 @@ _GIT_SAFE = ("-c", "core.fsmonitor=false", "-c", f"core.hooksPath={os.devnull}",
 
 
 def redact(value: str) -> str:
-    """``value`` with URL credentials replaced: ``https://user:pw@host/x`` -> ``https://***@host/x``.
+    """``value`` with credentials replaced: the ``user:password@`` of a URL (with or without a scheme) and
+    the value of every ``name=value`` whose name looks secret (``?token=...``, ``AWS_SECRET_ACCESS_KEY=...``).
 
     Example:
         >>> redact("nccl://admin:hunter2@10.0.0.1:29500,eth0")
         'nccl://***@10.0.0.1:29500,eth0'
+        >>> redact("admin:hunter2@10.0.0.1:29500"), redact("https://h/x?token=abc&page=2")
+        ('***@10.0.0.1:29500', 'https://h/x?token=***&page=2')
     """
-    return _URL_USERINFO.sub(r"\1***@", value)
+    value = _URL_USERINFO.sub(r"\1***@", value)
+    value = _BARE_USERINFO.sub("***@", value)
+    return _SECRET_PAIR.sub(r"\1***", value)
 
 
 def _run(args: list[str], cwd: str | None = None, timeout: float = 2.0) -> str | None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import re
 import shlex
-from pathlib import PurePosixPath
 from typing import Any
 
 from steadytrain._io import brief
@@ -80,8 +79,16 @@ def image_tag(manifest: Any, name: str, version: str) -> str:
 
 
 def _context_path(what: str, path: str) -> str:
-    if not isinstance(path, str) or _CONTEXT_PATH.fullmatch(path) is None or ".." in PurePosixPath(path).parts:
-        raise UserError(f"{what}={brief(path)} must be a relative path inside the build context, without spaces")
+    """A file in the build context: relative, no spaces, every part a name (not '.', '..', '' or a trailing '/')."""
+    if (
+        not isinstance(path, str)
+        or _CONTEXT_PATH.fullmatch(path) is None
+        or any(part in ("", ".", "..") for part in path.split("/"))
+    ):
+        raise UserError(
+            f"{what}={brief(path)} must be a relative path to a file inside the build context "
+            "(like 'requirements.lock' or 'deploy/contract.yaml'), without spaces, '.' or '..'"
+        )
     return path
 
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from steadytrain._io import brief, load_yaml, read_text
+from steadytrain._io import brief, load_yaml, one_line, read_text
 from steadytrain.env import grammar
 from steadytrain.env._schema import as_dict
 from steadytrain.env.lockfile import canonical_name, parse_lockfile
@@ -68,6 +68,7 @@ _CHECKED = tuple(_TARGET)
 _LEADING = re.compile(r"[0-9]+(?:\.[0-9]+)*")
 # A version written in a contract: every part is compared, so every part is a number.
 _CONTRACT_VERSION = re.compile(r"[0-9]+(?:\.[0-9]+)*(?:-[0-9]+)*", re.ASCII)
+MAX_PART_DIGITS = 18  # a version part is a small number (dates are 8 digits): longer is not a version
 
 
 def parse_version(s: str) -> tuple[int, ...]:
@@ -88,9 +89,12 @@ def parse_version(s: str) -> tuple[int, ...]:
     """
     m = _LEADING.match(s.strip()) if isinstance(s, str) else None
     if m is None:
-        raise ValueError(f"{s!r} is not a version: it must start with a number, like '535.104.05'")
+        raise ValueError(f"{brief(s)} is not a version: it must start with a number, like '535.104.05'")
     rest = re.split(r"[-+._~]", s.strip()[m.end() :])
-    return tuple(int(p) for p in m.group().split(".")) + tuple(int(g) for g in rest if re.fullmatch("[0-9]+", g))
+    parts = m.group().split(".") + [g for g in rest if re.fullmatch("[0-9]+", g)]
+    if any(len(p) > MAX_PART_DIGITS for p in parts):  # no version has such a part; int() of 5000 digits fails
+        raise ValueError(f"{brief(s)} is not a version: a part has more than {MAX_PART_DIGITS} digits")
+    return tuple(int(p) for p in parts)
 
 
 def _key(v: tuple[int, ...], n: int) -> tuple[int, ...]:
@@ -170,6 +174,12 @@ class Violation:
         return self.message
 
 
+def _shown(value: object) -> str:
+    """A manifest value for a violation message: one line, at most about 80 characters."""
+    text = one_line(value)
+    return text if len(text) <= 80 else f"{text[:50]}...{text[-20:]} ({len(text)} characters)"
+
+
 def _fail(source: str, field: str, expected: str, got: object) -> ContractError:
     return ContractError(f"{source}: {field}: expected {expected}, got {brief(got)}")
 
@@ -182,6 +192,8 @@ def _version(source: str, field: str, value: object, example: str) -> str:
     if not value.isascii() or _CONTRACT_VERSION.fullmatch(value) is None:
         hint += ", numbers only: a prefix such as '3' admits every 3.x"
         raise _fail(source, field, hint, value)
+    if any(len(p) > MAX_PART_DIGITS for p in re.split("[.-]", value)):
+        raise _fail(source, field, f"{hint}, each part at most {MAX_PART_DIGITS} digits", value)
     return value
 
 
@@ -331,7 +343,7 @@ def _version_violations(d: Mapping, c: Contract) -> list[Violation]:
         except ValueError:
             ok, note = False, " (not a comparable version)"
         if not ok:
-            msg = f"{label} {value}{note} is outside the contract: expected {expected}"
+            msg = f"{label} {_shown(value)}{note} is outside the contract: expected {expected}"
             out.append(Violation(field, scope, value, expected, msg))
     return out
 
@@ -347,7 +359,8 @@ def _cuda_table_violation(cuda: str | None, driver: str | None) -> Violation | N
         return None  # no comparable versions: nothing the table can say
     major = parse_version(cuda)[0]
     family = f"{major}.x" if major >= 11 else cuda
-    msg = f"NVIDIA driver {driver} is too old for CUDA {cuda} in the image: CUDA {family} needs driver >= {need}"
+    driver_s, cuda_s = _shown(driver), _shown(cuda)
+    msg = f"NVIDIA driver {driver_s} is too old for CUDA {cuda_s} in the image: CUDA {family} needs driver >= {need}"
     return Violation("host.nvidia_driver", "host", driver, f">= {need}", msg)
 
 
@@ -376,7 +389,7 @@ def check(manifest: Any, contract: Contract | Mapping[str, Any] | None = None) -
     for name, want in sorted((c.packages or {}).items()):
         have = installed.get(name)
         if have != want:
-            state = "not installed" if have is None else f"installed at {have}"
+            state = "not installed" if have is None else f"installed at {_shown(have)}"
             msg = f"package {name} is {state}; the contract pins {name}=={want}"
             out.append(Violation(f"image.packages.{name}", "image", have, f"=={want}", msg))
     return out

@@ -136,8 +136,11 @@ def requirement_closure(roots: tuple[str, ...] | list[str]) -> set[str]:
 
     Raises:
         KeyError: a root is not installed (the key is the root's name).
-        UserError: an installed distribution declares a requirement that is not PEP 508.
+        UserError: a root is not a distribution name (PEP 508), or an installed distribution declares
+            a requirement that is not PEP 508.
     """
+    for root in roots:  # '' or a path is not a name: importlib.metadata would raise or search the path
+        grammar.dist_name("root", root)
     seen: set[str] = set()
     todo = [(r, True) for r in roots]
     while todo:
