@@ -17,8 +17,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/steadytrain plan --micro-batch-size 256 --accumulation-steps 8 --world-size 1 \
-		--base-lr 1e-3 --base-batch-size 256 --dataset-size 1281167 --epochs 90 --warmup-steps 1000
+	$(BIN)/steadytrain train --run-dir runs/default-$$(date +%Y%m%d-%H%M%S)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest

@@ -1,0 +1,116 @@
+"""``steadytrain train`` and ``steadytrain config show``: parse, build, run, print."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+import click
+import yaml
+
+from steadytrain.cli._common import console
+
+
+def _setup_logging() -> None:
+    """Rank 0 logs progress at INFO; other ranks only warnings, tagged with their rank."""
+    rank = os.environ.get("RANK", "0")
+    handler = logging.StreamHandler(sys.stderr)
+    prefix = "" if rank == "0" else f"[rank {rank}] "
+    handler.setFormatter(logging.Formatter(f"{prefix}%(message)s"))
+    root = logging.getLogger("steadytrain")
+    root.handlers[:] = [handler]
+    root.setLevel(logging.INFO if rank == "0" else logging.WARNING)
+    root.propagate = False
+
+
+def _handoff(nproc: int, argv: list[str]) -> None:
+    """``--nproc N``: re-run this command under ``torch.distributed.run`` on this node (never returns)."""
+    rest, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            rest.append(a)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    cmd += ["-m", "steadytrain", *rest]
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.execv(sys.executable, cmd)
+
+
+@click.command()
+@click.argument("config", required=False, type=click.Path(dir_okay=False))
+@click.option(
+    "--set",
+    "overrides",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Override a config key, e.g. batch.micro_batch_size=8.",
+)
+@click.option(
+    "--run-dir", type=click.Path(file_okay=False), default=None, help="The run directory (default runs/<run.name>)."
+)
+@click.option(
+    "--resume",
+    type=click.Path(exists=True, file_okay=False),
+    default=None,
+    help="Continue this run from its latest checkpoint.",
+)
+@click.option(
+    "--nproc", type=click.IntRange(1, 1024), default=None, help="Ranks on this machine (hands off to torchrun)."
+)
+def train(
+    config: str | None, overrides: tuple[str, ...], run_dir: str | None, resume: str | None, nproc: int | None
+) -> None:
+    """Train: the embedded default with no CONFIG, or CONFIG.yaml; under torchrun on every rank."""
+    from pathlib import Path
+
+    from steadytrain.train.config import load_config
+    from steadytrain.train.loop import TrainingStopped
+    from steadytrain.train.loop import train as run_training
+
+    if nproc is not None and "RANK" not in os.environ:
+        _handoff(nproc, sys.argv[1:])
+    _setup_logging()
+    if resume is not None and config is not None:
+        raise click.UsageError("give CONFIG or --resume RUN_DIR, not both (a resumed run uses its own config.yaml)")
+    from steadytrain.train.rundir import open_run_dir
+
+    source = open_run_dir(Path(resume)).config if resume is not None else config
+    cfg = load_config(source, list(overrides))
+    try:
+        run_training(cfg, run_dir=Path(run_dir) if run_dir else None, resume=Path(resume) if resume else None)
+    except TrainingStopped as err:
+        click.echo(f"stopped: {err}", err=True)
+        raise click.exceptions.Exit(1) from None
+
+
+@click.group("config")
+def config_group() -> None:
+    """Training configs."""
+
+
+@config_group.command("show")
+@click.argument("config", required=False, type=click.Path(dir_okay=False))
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a config key.")
+@click.option(
+    "--world-size", type=click.IntRange(1, 1_000_000), default=1, show_default=True, help="Ranks to plan for."
+)
+def show(config: str | None, overrides: tuple[str, ...], world_size: int) -> None:
+    """Print the resolved config and its batch plan (effective batch, scaled LR, warmup and total steps)."""
+    import torch
+
+    from steadytrain.train.config import load_config
+    from steadytrain.train.distributed import DistInfo
+    from steadytrain.train.setup import build_dataset, data_path, resolve_plan
+
+    cfg = load_config(config, list(overrides))
+    k = resolve_plan(cfg, world_size, None).accumulation_steps
+    info = DistInfo(0, world_size, 0, torch.device("cpu"), None)
+    ds = build_dataset(cfg, data_path(cfg), info, k)
+    plan = resolve_plan(cfg, world_size, ds.steps_per_epoch, ds.dropped_per_epoch)
+    click.echo(yaml.safe_dump(cfg.to_dict(), sort_keys=False), nl=False)
+    console.print("# derived (batch plan)")
+    click.echo(yaml.safe_dump({"plan": plan.to_dict()}, sort_keys=False), nl=False)

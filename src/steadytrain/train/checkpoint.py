@@ -1,0 +1,94 @@
+"""Checkpoints: one file per optimizer step, written atomically, loaded without unpickling code.
+
+The model and optimizer states come from ``torch.distributed.checkpoint.state_dict`` as *full*
+state dicts (plain, DDP and FSDP2 models alike: FSDP2 gathers the shards), so a checkpoint loads
+on any world size. Rank 0 writes ``checkpoints/step-XXXXXXXX.pt`` aside, fsyncs and renames it: a
+kill -9 mid-write leaves the previous checkpoint the latest one. Loading uses
+``torch.load(weights_only=True)``: tensors and plain containers only, never arbitrary objects.
+Gathering the full state on rank 0 suits models that fit one host's memory; beyond that, sharded
+``torch.distributed.checkpoint.save`` is the tool (not used here: its metadata file is a pickle).
+"""
+
+from __future__ import annotations
+
+import pickle
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+from steadytrain._io import write_atomic
+from steadytrain.errors import UserError
+
+__all__ = ["apply_checkpoint", "latest_checkpoint", "list_checkpoints", "load_checkpoint", "save_checkpoint"]
+
+_NAME = re.compile(r"^step-(\d{8})\.pt$")
+_FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def list_checkpoints(ckpt_dir: Path) -> list[tuple[int, Path]]:
+    """``(step, path)`` of every complete checkpoint, oldest first (temporary files are not listed)."""
+    if not ckpt_dir.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in ckpt_dir.iterdir() if (m := _NAME.match(p.name))]
+    return sorted(found)
+
+
+def latest_checkpoint(ckpt_dir: Path, before_step: int | None = None) -> Path | None:
+    """The newest checkpoint (or the newest at or before ``before_step``); None if there is none."""
+    found = [p for step, p in list_checkpoints(ckpt_dir) if before_step is None or step <= before_step]
+    return found[-1] if found else None
+
+
+def save_checkpoint(
+    ckpt_dir: Path,
+    step: int,
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    extra: dict[str, Any],
+    is_main: bool,
+    keep_last: int,
+) -> Path:
+    """Write the checkpoint of ``step`` (a collective under FSDP2: every rank calls it)."""
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_FULL)
+    path = ckpt_dir / f"step-{step:08d}.pt"
+    if is_main:
+        payload = {"step": step, "model": model_sd, "optimizer": optim_sd, **extra}
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, lambda f: torch.save(payload, f))
+        for _, old in list_checkpoints(ckpt_dir)[:-keep_last]:
+            old.unlink(missing_ok=True)
+    return path
+
+
+def load_checkpoint(path: str | Path) -> dict[str, Any]:
+    """A checkpoint's contents (tensors and plain containers only), or a UserError naming the file."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{path}: no such checkpoint file")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError) as err:
+        first = str(err).strip().splitlines()[0][:160] if str(err).strip() else type(err).__name__
+        raise UserError(f"{path}: not a loadable steadytrain checkpoint ({first})") from None
+    if not isinstance(state, dict) or not {"step", "model", "optimizer"} <= set(state):
+        raise UserError(f"{path}: not a steadytrain checkpoint (no step/model/optimizer)")
+    return state
+
+
+def apply_checkpoint(state: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Load the model and optimizer states into (possibly DDP- or FSDP2-wrapped) objects."""
+    try:
+        set_state_dict(
+            model,
+            optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optimizer"],
+            options=StateDictOptions(full_state_dict=True),
+        )
+    except (RuntimeError, KeyError) as err:
+        raise UserError(f"checkpoint does not fit this model/optimizer: {str(err).splitlines()[0][:200]}") from None

@@ -1,0 +1,233 @@
+"""The training config: typed sections (pydantic v2), YAML in, ``--set key.sub=value`` overrides.
+
+Every field is typed and documented; unknown keys, wrong types and impossible combinations are one
+:class:`~steadytrain.errors.UserError` naming the key, the value and the fix. ``model`` is the one
+open section: keys other than ``name`` are the model factory's keyword arguments.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from steadytrain._io import brief, load_yaml, parse_yaml
+from steadytrain.errors import UserError
+
+__all__ = ["TrainConfig", "apply_overrides", "load_config"]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+
+
+class ModelConfig(BaseModel):
+    model_config = ConfigDict(extra="allow", use_attribute_docstrings=True)
+    name: str = "tiny-lm"
+    """``tiny-lm``, ``tabular`` or ``package.module:factory`` (its other keys are keyword arguments)."""
+
+    def kwargs(self) -> dict[str, Any]:
+        """The factory's keyword arguments: every key but ``name``."""
+        return dict(self.model_extra or {})
+
+
+class DataConfig(_Section):
+    path: str | None = None
+    """A dataset directory; absent: the embedded corpus (the Python standard library's source)."""
+    schema_file: str | None = Field(default=None, alias="schema")
+    """A schema YAML validated at load time; absent: no load-time validation."""
+    policy: Literal["raise", "drop", "clamp"] = "raise"
+    """What a schema violation does at load time."""
+    shuffle_window: int = Field(default=8, ge=1)
+    """Shards whose rows are shuffled together (memory: this many decoded shards)."""
+    seq_len: int = Field(default=128, ge=8, le=4096)
+    """Bytes per sequence of the embedded corpus (tiny-lm)."""
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, use_attribute_docstrings=True)
+
+
+class BatchConfig(_Section):
+    micro_batch_size: int = Field(default=16, ge=1)
+    """Examples per forward/backward on one rank."""
+    accumulation_steps: int | None = Field(default=None, ge=1)
+    """Micro-batches per optimizer step (give this or ``global_batch_size``)."""
+    global_batch_size: int | None = Field(default=64, ge=1)
+    """Examples per optimizer step on all ranks; held constant across world sizes (accumulation derived)."""
+    base_lr: float = Field(default=3e-3, gt=0, allow_inf_nan=False)
+    """The LR known to work at ``base_batch_size``."""
+    base_batch_size: int | None = Field(default=64, ge=1)
+    """The batch ``base_lr`` was tuned at; absent: ``base_lr`` is used unscaled."""
+    scaling: Literal["linear", "sqrt", "none"] = "linear"
+    """How the LR follows the effective batch."""
+    warmup_steps: int | None = Field(default=None, ge=0)
+    """Warmup in optimizer steps (give this or ``warmup_ratio``)."""
+    warmup_ratio: float | None = Field(default=0.1, ge=0, le=1)
+    """Warmup as a fraction of the run's optimizer steps."""
+    decay: Literal["cosine", "linear", "constant"] = "cosine"
+    """The LR after warmup."""
+    min_lr_ratio: float = Field(default=0.1, ge=0, le=1)
+    """The LR at the end of decay, as a fraction of the peak."""
+
+    @model_validator(mode="after")
+    def _one_of_each(self) -> BatchConfig:
+        given = self.model_fields_set
+        # A default never conflicts with what the user gave: giving one of a pair drops the other's default.
+        if "warmup_steps" in given and "warmup_ratio" not in given:
+            object.__setattr__(self, "warmup_ratio", None)
+        if "accumulation_steps" in given and "global_batch_size" not in given:
+            object.__setattr__(self, "global_batch_size", None)
+        if self.warmup_steps is not None and self.warmup_ratio is not None:
+            raise ValueError("give batch.warmup_steps or batch.warmup_ratio, not both (set the other to null)")
+        return self
+
+
+class OptimConfig(_Section):
+    name: Literal["adamw", "sgd", "lars", "lamb"] = "adamw"
+    """The optimizer."""
+    weight_decay: float = Field(default=0.01, ge=0, allow_inf_nan=False)
+    betas: tuple[float, float] = (0.9, 0.95)
+    """Adam-type moment decays."""
+    momentum: float = Field(default=0.9, ge=0, lt=1)
+    """SGD/LARS momentum."""
+    eps: float = Field(default=1e-8, gt=0, allow_inf_nan=False)
+    fused: bool | None = None
+    """Use the fused kernel (None: when available for the device and optimizer)."""
+
+
+class ClipConfig(_Section):
+    max_grad_norm: float | None = Field(default=1.0, gt=0, allow_inf_nan=False)
+    """Global L2-norm clipping threshold (over every parameter, on all ranks)."""
+    clip_value: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    """Element-wise clamp to [-clip_value, clip_value] (a different algorithm)."""
+
+
+class DistributedConfig(_Section):
+    strategy: Literal["ddp", "fsdp"] = "ddp"
+    """DDP, or FSDP2 (``fully_shard``) under torchrun."""
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """``auto``: NCCL on GPU, gloo on CPU."""
+
+
+class NonFiniteConfig(_Section):
+    policy: Literal["skip", "raise"] = "skip"
+    """On a non-finite step: skip it on every rank (recorded), or stop."""
+    max_consecutive_skips: int = Field(default=10, ge=1)
+    """Stop (exit non-zero, report written) after this many skipped steps in a row."""
+
+
+class EnvConfig(_Section):
+    contract: str | None = None
+    """A reproducibility contract checked on every rank at start."""
+    on_violation: Literal["fail", "warn"] = "fail"
+
+
+class CheckpointConfig(_Section):
+    every_steps: int = Field(default=100, ge=1)
+    """Optimizer steps between checkpoints (one is also written at the end)."""
+    keep_last: int = Field(default=2, ge=1)
+    """Checkpoints kept; older ones are removed."""
+
+
+class RunConfig(_Section):
+    name: str = Field(default="default", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+    """The run's name: its directory under ``dir``."""
+    dir: str = "runs"
+    """Where run directories go."""
+    seed: int = Field(default=0, ge=0, lt=2**63)
+    deterministic: bool = False
+    """Deterministic algorithms (slower; what ``repro`` uses)."""
+    max_steps: int | None = Field(default=300, ge=1)
+    """Stop after this many optimizer steps (None: ``epochs`` decides)."""
+    epochs: int = Field(default=1, ge=1)
+    log_every: int = Field(default=10, ge=1)
+    """Optimizer steps between log lines (and host reads of the metrics)."""
+
+
+class TrainConfig(_Section):
+    """Everything a run needs; the defaults are the embedded default run."""
+
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    batch: BatchConfig = BatchConfig()
+    optim: OptimConfig = OptimConfig()
+    clip: ClipConfig = ClipConfig()
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """Autocast dtype for forward passes (fp16 adds a GradScaler)."""
+    distributed: DistributedConfig = DistributedConfig()
+    nonfinite: NonFiniteConfig = NonFiniteConfig()
+    env: EnvConfig = EnvConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    run: RunConfig = RunConfig()
+
+    @model_validator(mode="after")
+    def _clip_one(self) -> TrainConfig:
+        if "clip_value" in self.clip.model_fields_set and "max_grad_norm" not in self.clip.model_fields_set:
+            object.__setattr__(self.clip, "max_grad_norm", None)
+        if self.clip.max_grad_norm is not None and self.clip.clip_value is not None:
+            raise ValueError("give clip.max_grad_norm or clip.clip_value, not both (set the other to null)")
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        """The resolved config as plain data (YAML/JSON-ready), keys as a user writes them."""
+        return self.model_dump(mode="json", by_alias=True)
+
+
+def _error_line(err: ValidationError, source: str) -> str:
+    """One line for pydantic's first error: the key path, the value and what to do."""
+    e = err.errors(include_url=False)[0]
+    key = ".".join(str(p) for p in e["loc"]) or "(top level)"
+    if e["type"] == "extra_forbidden":
+        return f"{source}: unknown key {key!r}: remove it or check its spelling (steadytrain config show lists them)"
+    value = f"={brief(e['input'])}" if e["type"] not in ("missing", "value_error") and e["loc"] else ""
+    msg = e["msg"].removeprefix("Value error, ")
+    more = f" (and {err.error_count() - 1} more)" if err.error_count() > 1 else ""
+    return f"{source}: {key}{value}: {msg}{more}"
+
+
+def _parse_set(item: str) -> tuple[list[str], Any]:
+    key, sep, raw = item.partition("=")
+    if not sep or not key or any(not part.isidentifier() for part in key.split(".")):
+        raise UserError(f"--set {brief(item)}: use key.sub=value, e.g. --set batch.micro_batch_size=8")
+    return key.split("."), parse_yaml(raw, source=f"--set {key}", what="value") if raw else None
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """``data`` with each ``key.sub=value`` set (values parsed as YAML: ``8``, ``null``, ``[0.9, 0.99]``).
+
+    Example:
+        >>> apply_overrides({"batch": {"micro_batch_size": 16}}, ["batch.micro_batch_size=8", "run.name=x"])
+        {'batch': {'micro_batch_size': 8}, 'run': {'name': 'x'}}
+    """
+    out = copy.deepcopy(data)
+    for item in overrides:
+        path, value = _parse_set(item)
+        node = out
+        for part in path[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise UserError(f"--set {'.'.join(path)}: {part!r} is not a section")
+            node = child
+        node[path[-1]] = value
+    return out
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> TrainConfig:
+    """The config from a YAML file (or the embedded default) with ``--set`` overrides applied.
+
+    Raises:
+        UserError: an unreadable file, an unknown key, a wrong type, an impossible combination.
+    """
+    source = str(path) if path is not None else "default config"
+    data = load_yaml(path, what="config") if path is not None else {}
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise UserError(
+            f"{source}: a config is a mapping of sections (model, data, batch, ...), not {type(data).__name__}"
+        )
+    data = apply_overrides(data, list(overrides))
+    try:
+        return TrainConfig.model_validate(data)
+    except ValidationError as err:
+        raise UserError(_error_line(err, source)) from None

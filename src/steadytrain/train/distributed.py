@@ -1,0 +1,94 @@
+"""The process group of a run: torchrun's environment in, DDP or FSDP2 out, a clean teardown.
+
+steadytrain never launches processes or writes a collective of its own: ``torchrun`` (or
+``steadytrain train --nproc N``, which hands off to ``torch.distributed.run``) starts the ranks and
+sets ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``; multi-node is torchrun's own rendezvous.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from steadytrain.errors import UserError
+
+__all__ = ["DistInfo", "init_distributed", "teardown", "wrap_model"]
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """Where this process sits in the job."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str | None  # None: a single process, no process group
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise UserError(f"environment variable {name}={raw!r} is not an integer (set by torchrun)") from None
+
+
+def init_distributed(backend: str = "auto") -> DistInfo:
+    """Join the job torchrun started (or run alone); NCCL on GPU and gloo on CPU unless told otherwise."""
+    world, local = _env_int("WORLD_SIZE", 1), _env_int("LOCAL_RANK", 0)
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", local) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    if world == 1 and not dist.is_initialized():
+        return DistInfo(0, 1, 0, device, None)
+    chosen = ("nccl" if cuda else "gloo") if backend == "auto" else backend
+    if chosen == "nccl" and not cuda:
+        raise UserError("distributed.backend=nccl needs CUDA devices: use gloo (or auto) on CPU")
+    if not dist.is_initialized():
+        dist.init_process_group(chosen)
+    return DistInfo(dist.get_rank(), dist.get_world_size(), local, device, chosen)
+
+
+def wrap_model(model: nn.Module, info: DistInfo, strategy: str) -> nn.Module:
+    """DDP, or FSDP2 with every block of each ``nn.ModuleList`` and the root sharded; alone: as is."""
+    model = model.to(info.device)
+    if info.backend is None:
+        return model
+    if strategy == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        return DDP(model, device_ids=[info.device.index] if info.device.type == "cuda" else None)
+    from torch.distributed.fsdp import fully_shard
+
+    for module in list(model.modules()):
+        if isinstance(module, nn.ModuleList):
+            for block in module:
+                fully_shard(block)
+    fully_shard(model)
+    return model
+
+
+def barrier(info: DistInfo) -> None:
+    if info.backend is not None:
+        dist.barrier()
+
+
+def teardown(info: DistInfo) -> None:
+    """Leave the process group: a barrier first, so no rank closes connections a peer still uses."""
+    if info.backend is not None and dist.is_initialized():
+        try:
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()

@@ -1,0 +1,245 @@
+"""``steadytrain train``: the training job, top to bottom.
+
+build (plan, data, model, optimizer, schedule, accumulator) -> run directory and environment ->
+resume -> steps (K micro-batches each, through the accumulator) -> metrics, checkpoints, ledger ->
+summary. Every rank runs the same number of steps (the data's global order makes them equal);
+rank 0 writes the run directory, every rank appends its own non-finite events.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from steadytrain.errors import UserError
+from steadytrain.train import runfiles
+from steadytrain.train.checkpoint import apply_checkpoint, latest_checkpoint, load_checkpoint, save_checkpoint
+from steadytrain.train.config import TrainConfig
+from steadytrain.train.distributed import DistInfo, barrier, init_distributed, teardown, wrap_model
+from steadytrain.train.metrics import MetricsLog, Progress
+from steadytrain.train.models import build_model
+from steadytrain.train.rundir import RunDir
+from steadytrain.train.setup import (
+    RunPlan,
+    build_accumulator,
+    build_dataset,
+    build_optimizer,
+    data_path,
+    model_context,
+    resolve_plan,
+)
+
+__all__ = ["TrainingStopped", "train"]
+
+log = logging.getLogger("steadytrain.train")
+
+
+class TrainingStopped(RuntimeError):
+    """The run stopped before its last step (too many consecutive non-finite steps); the report is written."""
+
+
+@dataclass
+class Job:
+    """Everything a running job holds."""
+
+    cfg: TrainConfig
+    info: DistInfo
+    plan: RunPlan
+    run: RunDir
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    acc: Any
+    ds: Any
+    scaler: Any
+    step: int = 0
+    epoch: int = 0
+    consecutive_skips: int = 0
+    exposure: dict[int, int] = field(default_factory=dict)
+    """Examples seen per shard by this rank (rank 0 also holds the counts from before a resume)."""
+    metrics: MetricsLog | None = None
+    elapsed_before: float = 0.0
+    lr: float = 0.0
+    step_loss: Any = None
+
+
+def train(cfg: TrainConfig, *, run_dir: Path | None = None, resume: Path | None = None) -> dict[str, Any]:
+    """Run the job ``cfg`` describes (or continue ``resume``); returns the summary's numbers."""
+    info = init_distributed(cfg.distributed.backend)
+    try:
+        job = _build(cfg, info, run_dir, resume)
+        return _run(job)
+    finally:
+        teardown(info)
+
+
+def _build(cfg: TrainConfig, info: DistInfo, run_dir: Path | None, resume: Path | None) -> Job:
+    from steadytrain.env import seed_everything
+
+    seed_everything(cfg.run.seed, cfg.run.deterministic)
+    path = data_path(cfg)
+    k = resolve_plan(cfg, info.world_size, None).accumulation_steps
+    ds = build_dataset(cfg, path, info, k)
+    plan = resolve_plan(cfg, info.world_size, ds.steps_per_epoch, ds.dropped_per_epoch)
+    torch.manual_seed(cfg.run.seed)  # the same initial weights on every rank
+    model = build_model(cfg.model.name, cfg.model.kwargs(), context=model_context(cfg, path))
+    model = wrap_model(model, info, cfg.distributed.strategy)
+    optimizer = build_optimizer(cfg, model, plan.lr, info.device)
+    scaler = torch.amp.GradScaler(info.device.type) if cfg.precision == "fp16" else None
+    acc = build_accumulator(cfg, model, optimizer, plan, scaler)
+    manifest = runfiles.check_environment(cfg, info)  # before anything is written: a refusal leaves no run dir
+    run = runfiles.prepare(cfg, info, plan, run_dir=run_dir, resume=resume, data=path)
+    runfiles.record_environment(info, run, manifest, resume=resume is not None)
+    job = Job(cfg, info, plan, run, model, optimizer, acc, ds, scaler)
+    if resume is not None:
+        _resume(job)
+    return job
+
+
+def _resume(job: Job) -> None:
+    path = latest_checkpoint(job.run.checkpoints)
+    if path is None:
+        raise UserError(f"{job.run.path}: no checkpoint to resume from (checkpoints/ is empty)")
+    state = load_checkpoint(path)
+    apply_checkpoint(state, job.model, job.optimizer)
+    job.acc.scheduler.load_state_dict(state["scheduler"])
+    # Checkpoints are taken at a step boundary, where the accumulation count has no pending state:
+    # a resume on another world size (same global batch, another K) continues from it.
+    job.acc.load_state_dict({**state["accumulator"], "accumulation_steps": job.acc.accumulation_steps})
+    if job.scaler is not None and state.get("scaler"):
+        job.scaler.load_state_dict(state["scaler"])
+    job.ds.load_state_dict(state["data"])
+    torch.set_rng_state(state["rng"])
+    job.step, job.epoch = state["step"], state["data"]["epoch"]
+    if job.info.is_main:  # the checkpoint holds the global counts: one rank carries them on
+        job.exposure = {int(k): int(v) for k, v in state.get("exposure", {}).items()}
+    job.elapsed_before = float(state.get("elapsed_s", 0.0))
+    if job.info.is_main:
+        runfiles.truncate_logs(job.run, job.step)
+        log.info("resumed %s at step %d from %s", job.run.path, job.step, path.name)
+
+
+def _run(job: Job) -> dict[str, Any]:
+    total = job.plan.total_steps
+    progress = Progress(total, job.step) if job.info.is_main else None
+    job.metrics = MetricsLog(
+        job.run,
+        job.info,
+        items_per_step=job.plan.global_batch_size,
+        max_grad_norm=job.cfg.clip.max_grad_norm,
+        total_steps=total,
+        elapsed_before=job.elapsed_before,
+        progress=progress,
+    )
+    runfiles.log_start(job)
+    stopped = None
+    try:
+        stopped = _steps(job)
+    finally:
+        job.metrics.flush()
+        job.metrics.close()
+        if progress is not None:
+            progress.close()
+    _checkpoint(job)
+    summary = runfiles.finish(job, stopped)
+    if stopped:
+        raise TrainingStopped(stopped)
+    return summary
+
+
+def _steps(job: Job) -> str | None:
+    """Optimizer steps until the plan's total; returns why it stopped early, or None."""
+    total, resumed = job.plan.total_steps, job.step > 0
+    while job.step < total:
+        if not resumed:
+            job.ds.set_epoch(job.epoch)
+        resumed = False
+        for mb in job.ds:
+            result, loss = _micro_batch(job, mb)
+            if result is None:
+                continue
+            reason = _after_step(job, result, loss)
+            if reason or job.step >= total:
+                return reason
+        job.epoch += 1
+    return None
+
+
+def _micro_batch(job: Job, mb: dict[str, Any]) -> tuple[Any, torch.Tensor]:
+    """One forward and backward inside the accumulator; the step's result when it ended a cycle."""
+    dev = job.info.device
+    batch = {k: v.to(dev, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in mb.items()}
+    shard, index = mb["shard"], mb["index"]
+    for s, n in zip(*torch.unique(shard, return_counts=True), strict=True):
+        job.exposure[int(s)] = job.exposure.get(int(s), 0) + int(n)
+    autocast = (
+        torch.autocast(dev.type, dtype=torch.bfloat16 if job.cfg.precision == "bf16" else torch.float16)
+        if job.cfg.precision != "fp32"
+        else contextlib.nullcontext()
+    )
+    job.lr = job.optimizer.param_groups[0]["lr"]
+    with job.acc.micro_batch(tag={"shard": shard, "index": index}) as m:
+        with autocast:
+            out = job.model(batch)
+        loss = _mean_loss(out, len(index))
+        m.backward(loss)
+    job.step_loss = loss.detach() if m.position == 0 else job.step_loss + loss.detach()
+    return m.result, job.step_loss / (m.position + 1)
+
+
+def _mean_loss(out: Any, n: int) -> torch.Tensor:
+    if not isinstance(out, torch.Tensor) or out.dim() > 1 or (out.dim() == 1 and len(out) != n):
+        shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        raise UserError(f"model returned {shape}: return per-example losses (shape [{n}]) or a scalar mean")
+    return out.float().mean()
+
+
+def _after_step(job: Job, result: Any, loss: torch.Tensor) -> str | None:
+    job.step += 1
+    job.metrics.add(job.step, loss, job.lr, result.grad_norm, not result.stepped)
+    if result.stepped:
+        job.consecutive_skips = 0
+    else:
+        job.consecutive_skips += 1
+        runfiles.record_nonfinite(job, job.acc.nonfinite_events[-1])
+    cfg = job.cfg
+    if job.step % cfg.run.log_every == 0:
+        job.metrics.flush()
+    if job.step % cfg.checkpoint.every_steps == 0 and job.step < job.plan.total_steps:
+        _checkpoint(job)
+    if job.consecutive_skips >= cfg.nonfinite.max_consecutive_skips:
+        return (
+            f"{job.consecutive_skips} consecutive non-finite steps (nonfinite.max_consecutive_skips="
+            f"{cfg.nonfinite.max_consecutive_skips}) at step {job.step}: see {job.run.nonfinite}"
+        )
+    return None
+
+
+def _checkpoint(job: Job) -> None:
+    exposure = runfiles.global_exposure(job)
+    extra = {
+        "scheduler": job.acc.scheduler.state_dict(),
+        "scaler": job.scaler.state_dict() if job.scaler is not None else None,
+        "accumulator": job.acc.state_dict(),
+        "data": job.ds.state_dict(),
+        "rng": torch.get_rng_state(),
+        "elapsed_s": job.metrics.elapsed() if job.metrics else 0.0,
+        "exposure": {str(k): v for k, v in exposure.items()},
+        "world_size": job.info.world_size,
+    }
+    save_checkpoint(
+        job.run.checkpoints,
+        job.step,
+        model=job.model,
+        optimizer=job.optimizer,
+        extra=extra,
+        is_main=job.info.is_main,
+        keep_last=job.cfg.checkpoint.keep_last,
+    )
+    if job.info.is_main:
+        job.run.write_json(job.run.exposure, {str(k): v for k, v in sorted(exposure.items())})
+    barrier(job.info)

@@ -1,0 +1,157 @@
+"""Per-step metrics: kept on the device, read once per logging interval, written by rank 0.
+
+Each optimizer step adds its loss (a device tensor: no host sync) and the accumulator's step
+result (whose norm was already read in the step's one host sync). Every ``log_every`` steps the
+interval's losses are averaged over ranks in one all-reduce and read in one host sync; rank 0
+appends one ``metrics.jsonl`` line per step (one write and fsync per interval), mirrors them to
+TensorBoard when it is installed, and updates the progress display.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from steadytrain._io import append_jsonl
+from steadytrain.train.distributed import DistInfo
+from steadytrain.train.rundir import RunDir
+
+__all__ = ["MetricsLog"]
+
+log = logging.getLogger("steadytrain.train")
+
+
+def _finite_or_none(x: float | None) -> float | None:
+    return x if x is not None and math.isfinite(x) else None
+
+
+@dataclass
+class _Pending:
+    step: int
+    loss: torch.Tensor
+    lr: float
+    grad_norm: float
+    skipped: bool
+    t: float
+
+
+@dataclass
+class MetricsLog:
+    """Collects per-step metrics and writes them once per interval."""
+
+    run: RunDir
+    info: DistInfo
+    items_per_step: int
+    max_grad_norm: float | None
+    total_steps: int
+    elapsed_before: float = 0.0
+    progress: Any = None
+    _pending: list[_Pending] = field(default_factory=list)
+    _t0: float = field(default_factory=time.perf_counter)
+    _t_last: float = field(default_factory=time.perf_counter)
+    last: dict[str, Any] = field(default_factory=dict)
+    _tb: Any = None
+
+    def __post_init__(self) -> None:
+        if self.info.is_main:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:  # optional extra: steadytrain[tensorboard]
+                self._tb = None
+            else:
+                self._tb = SummaryWriter(str(self.run.path / "tensorboard"))
+
+    def add(self, step: int, loss: torch.Tensor, lr: float, grad_norm: float, skipped: bool) -> None:
+        self._pending.append(_Pending(step, loss.detach().float(), lr, grad_norm, skipped, time.perf_counter()))
+
+    def elapsed(self) -> float:
+        return self.elapsed_before + time.perf_counter() - self._t0
+
+    def flush(self) -> list[dict[str, Any]]:
+        """Average the interval's losses over ranks (one collective, one host sync) and write them."""
+        if not self._pending:
+            return []
+        losses = torch.stack([p.loss for p in self._pending])
+        if self.info.backend is not None:
+            dist.all_reduce(losses, op=dist.ReduceOp.SUM)
+            losses /= self.info.world_size
+        values = losses.tolist()  # host sync: once per logging interval
+        rows = []
+        for p, loss in zip(self._pending, values, strict=True):
+            rows.append(self._row(p, loss, self.items_per_step / max(p.t - self._t_last, 1e-9)))
+            self._t_last = p.t
+        self._pending.clear()
+        self.last = rows[-1]
+        if self.info.is_main:
+            append_jsonl(self.run.metrics, *rows)
+            self._to_tensorboard(rows)
+            if self.progress is not None:
+                self.progress.update(rows[-1], self.total_steps)
+        return rows
+
+    def _row(self, p: _Pending, loss: float, rate: float) -> dict[str, Any]:
+        clipped = self.max_grad_norm is not None and math.isfinite(p.grad_norm) and p.grad_norm > self.max_grad_norm
+        return {
+            "step": p.step,
+            "loss": _finite_or_none(loss),
+            "lr": p.lr,
+            "grad_norm": _finite_or_none(p.grad_norm),
+            "clipped": bool(clipped and not p.skipped),
+            "skipped": p.skipped,
+            "items": self.items_per_step,
+            "items_per_s": round(rate, 3),
+            "elapsed_s": round(self.elapsed_before + p.t - self._t0, 3),
+        }
+
+    def _to_tensorboard(self, rows: list[dict[str, Any]]) -> None:
+        if self._tb is None:
+            return
+        for row in rows:
+            for key in ("loss", "lr", "grad_norm", "items_per_s"):
+                if row[key] is not None:
+                    self._tb.add_scalar(f"train/{key}", row[key], row["step"])
+        self._tb.flush()
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+
+
+class Progress:
+    """A live progress line on a terminal; plain log lines otherwise (CI, files, pipes)."""
+
+    def __init__(self, total_steps: int, start_step: int) -> None:
+        self.rich = None
+        if sys.stderr.isatty():
+            from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self.rich = Progress(
+                TextColumn("step {task.completed}/{task.total}"),
+                BarColumn(),
+                TextColumn("{task.fields[info]}"),
+                TimeRemainingColumn(),
+                transient=False,
+            )
+            self.task = self.rich.add_task("train", total=total_steps, completed=start_step, info="")
+            self.rich.start()
+
+    def update(self, row: dict[str, Any], total: int) -> None:
+        loss = "nan" if row["loss"] is None else f"{row['loss']:.4f}"
+        norm = "nan" if row["grad_norm"] is None else f"{row['grad_norm']:.3g}"
+        info = f"loss {loss}  lr {row['lr']:.3g}  grad_norm {norm}  {row['items_per_s']:.0f} items/s"
+        if self.rich is not None:
+            self.rich.update(self.task, completed=row["step"], info=info)
+        else:
+            eta = row["elapsed_s"] / max(row["step"], 1) * (total - row["step"])
+            log.info("step %d/%d  %s  eta %.0fs", row["step"], total, info, eta)
+
+    def close(self) -> None:
+        if self.rich is not None:
+            self.rich.stop()

@@ -1,0 +1,156 @@
+"""Models for ``steadytrain train``: the built-ins and ``package.module:factory`` from the user.
+
+The contract every model follows: ``forward(batch)`` takes a micro-batch dict (columns as tensors
+or lists, plus ``shard`` and ``index``) and returns the per-example losses (a 1-D tensor, one per
+example; steadytrain takes the mean and knows which examples were non-finite) or a scalar mean.
+
+- ``tiny-lm``: a byte-level transformer (token and position embeddings, pre-norm blocks, causal
+  attention); the batch holds ``tokens`` (int, ``[B, seq_len + 1]``), the loss is next-byte
+  cross-entropy averaged per sequence.
+- ``tabular``: an embedding per categorical field of the schema and an MLP over its numeric fields
+  standardized with the dataset's statistics; the loss is cross-entropy on an integer label column
+  (or MSE on a float one). A categorical value outside the vocabulary maps to index ``-1``, which the
+  embedding lookup refuses: out-of-vocabulary data fails loudly instead of reading a wrong row.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import re
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from steadytrain._io import brief
+from steadytrain.errors import UserError
+
+__all__ = ["TabularModel", "TinyLM", "build_model"]
+
+_FACTORY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
+
+class Block(nn.Module):
+    """A pre-norm transformer block: causal self-attention, then an MLP, each with a residual."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.attn = nn.MultiheadAttention(dim, heads, batch_first=True)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x: Tensor, mask: Tensor) -> Tensor:
+        h = self.norm1(x)
+        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
+        return x + self.mlp(self.norm2(x))
+
+
+class TinyLM(nn.Module):
+    """A small byte-level language model (256 symbols)."""
+
+    def __init__(self, *, dim: int = 128, layers: int = 2, heads: int = 4, seq_len: int = 128) -> None:
+        super().__init__()
+        if dim % heads:
+            raise UserError(f"model.dim={dim} must be divisible by model.heads={heads}")
+        self.seq_len = seq_len
+        self.tok = nn.Embedding(256, dim)
+        self.pos = nn.Embedding(seq_len, dim)
+        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, 256, bias=False)
+
+    def forward(self, batch: dict[str, Any]) -> Tensor:
+        tokens = batch["tokens"].long()
+        x_in, target = tokens[:, :-1], tokens[:, 1:]
+        t = x_in.shape[1]
+        if t > self.seq_len:
+            raise UserError(f"sequences of {t} bytes are longer than model.seq_len={self.seq_len}")
+        x = self.tok(x_in) + self.pos(torch.arange(t, device=x_in.device))
+        mask = torch.triu(torch.full((t, t), float("-inf"), device=x.device), diagonal=1)
+        for block in self.blocks:
+            x = block(x, mask)
+        logits = self.head(self.norm(x))
+        loss = F.cross_entropy(logits.transpose(1, 2), target, reduction="none")  # [B, T]
+        return loss.mean(dim=1)  # one loss per sequence
+
+
+class TabularModel(nn.Module):
+    """Embeddings of categorical fields + an MLP over standardized numeric fields."""
+
+    def __init__(
+        self,
+        *,
+        numeric: dict[str, tuple[float, float]],
+        categorical: dict[str, list[Any]],
+        label: str,
+        num_classes: int | None,
+        hidden: int = 64,
+        embed_dim: int = 8,
+    ) -> None:
+        super().__init__()
+        self.numeric, self.label, self.num_classes = list(numeric), label, num_classes
+        self.register_buffer("mean", torch.tensor([m for m, _ in numeric.values()], dtype=torch.float32))
+        self.register_buffer("std", torch.tensor([s for _, s in numeric.values()], dtype=torch.float32))
+        self.vocab = {name: {v: i for i, v in enumerate(values)} for name, values in categorical.items()}
+        self.embed = nn.ModuleDict({name: nn.Embedding(len(v), embed_dim) for name, v in categorical.items()})
+        width = len(self.numeric) + embed_dim * len(self.embed)
+        self.mlp = nn.Sequential(nn.Linear(width, hidden), nn.ReLU(), nn.Linear(hidden, num_classes or 1))
+
+    def forward(self, batch: dict[str, Any]) -> Tensor:
+        parts = []
+        if self.numeric:
+            x = torch.stack([batch[n].float() for n in self.numeric], dim=1)
+            parts.append((x - self.mean) / self.std)
+        for name, emb in self.embed.items():
+            vocab = self.vocab[name]
+            idx = torch.tensor([vocab.get(v, -1) for v in batch[name]], dtype=torch.long)
+            parts.append(emb(idx))
+        out = self.mlp(torch.cat(parts, dim=1))
+        y = batch[self.label]
+        if self.num_classes:
+            return F.cross_entropy(out, y.long(), reduction="none")
+        return (out.squeeze(1) - y.float()).pow(2)
+
+
+def _import_factory(spec: str):
+    if not _FACTORY.match(spec):
+        raise UserError(f"model.name={brief(spec)}: use tiny-lm, tabular or package.module:factory")
+    module_name, _, attr = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise UserError(f"model.name={spec!r}: cannot import {module_name!r} ({err}); is it on PYTHONPATH?") from None
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise UserError(f"model.name={spec!r}: {module_name} has no callable {attr!r}")
+    return factory
+
+
+def tabular_from_dataset(schema: Any, stats: dict[str, tuple[float, float]], label: str, **kwargs: Any) -> TabularModel:
+    """A :class:`TabularModel` for a schema: categorical fields embedded, numeric ones standardized."""
+    if label not in schema.fields:
+        raise UserError(f"model.label={label!r} is not a field of the schema ({', '.join(schema.fields)})")
+    numeric = {n: stats[n] for n, f in schema.fields.items() if n != label and f.vocabulary is None and n in stats}
+    categorical = {n: list(f.vocabulary) for n, f in schema.fields.items() if n != label and f.vocabulary is not None}
+    spec = schema.fields[label]
+    is_int = spec.dtype.startswith(("int", "uint"))
+    num_classes = int(spec.max) + 1 if is_int and spec.max is not None and math.isfinite(spec.max) else None
+    return TabularModel(numeric=numeric, categorical=categorical, label=label, num_classes=num_classes, **kwargs)
+
+
+def build_model(name: str, kwargs: dict[str, Any], *, context: dict[str, Any]) -> nn.Module:
+    """The model ``name`` with ``kwargs``; built-ins also get what they need from ``context``
+    (``seq_len`` for tiny-lm; ``schema`` and ``stats`` for tabular)."""
+    try:
+        if name == "tiny-lm":
+            return TinyLM(**{"seq_len": context.get("seq_len", 128), **kwargs})
+        if name == "tabular":
+            return tabular_from_dataset(context["schema"], context["stats"], **{"label": "label", **kwargs})
+        model = _import_factory(name)(**kwargs)
+    except TypeError as err:
+        raise UserError(f"model {name!r}: {err} (check the model section's keys)") from None
+    if not isinstance(model, nn.Module):
+        raise UserError(f"model.name={name!r}: the factory returned {type(model).__name__}, not a torch.nn.Module")
+    return model

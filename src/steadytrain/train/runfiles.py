@@ -1,0 +1,195 @@
+"""What a run writes besides checkpoints: config, plan, environment, ledger, exposure, summary.
+
+Rank 0 writes the shared files; every rank appends its own non-finite events. Decisions that
+could differ by rank (the run directory exists, the contract fails) are agreed over all ranks
+first, so every rank stops with the same one-line error instead of some waiting forever.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from steadytrain._io import append_jsonl, write_text_atomic
+from steadytrain.errors import UserError
+from steadytrain.train.distributed import DistInfo, barrier
+from steadytrain.train.rundir import RunDir, claim_run_dir, open_run_dir
+
+if TYPE_CHECKING:
+    from steadytrain.train.config import TrainConfig
+    from steadytrain.train.loop import Job
+    from steadytrain.train.setup import RunPlan
+
+log = logging.getLogger("steadytrain.train")
+
+
+def agree(info: DistInfo, error: str | None) -> None:
+    """Raise the same UserError on every rank if any rank has an ``error`` (one all-reduce)."""
+    if info.backend is not None:
+        flag = torch.tensor([0 if error is None else 1], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item() and error is None:  # host sync: once, at start
+            error = "another rank failed at start (its log says why)"
+    if error is not None:
+        raise UserError(error)
+
+
+def prepare(
+    cfg: TrainConfig, info: DistInfo, plan: RunPlan, *, run_dir: Path | None, resume: Path | None, data: Path
+) -> RunDir:
+    """The run directory: claimed new by rank 0 (never overwritten), or the one to resume."""
+    if resume is not None:
+        return open_run_dir(resume)
+    path = Path(run_dir) if run_dir is not None else Path(cfg.run.dir) / cfg.run.name
+    error = None
+    if info.is_main:
+        try:
+            run = claim_run_dir(path)
+            run.write_config(cfg.to_dict())
+            run.write_json(run.plan, {**plan.to_dict(), "data": str(data)})
+        except UserError as err:
+            error = str(err)
+    agree(info, error)
+    return RunDir(path)
+
+
+def check_environment(cfg: TrainConfig, info: DistInfo) -> Any:
+    """Capture this rank's manifest and check the contract on every rank (all fail together)."""
+    from steadytrain.env import Contract, capture, check
+
+    manifest = capture()
+    error = None
+    if cfg.env.contract:
+        violations = check(manifest, Contract.load(cfg.env.contract))
+        if violations and cfg.env.on_violation == "fail":
+            error = (
+                f"rank {info.rank}: environment breaks {cfg.env.contract}: {violations[0]} (or env.on_violation=warn)"
+            )
+        for v in violations if not error else ():
+            log.warning("rank %d: contract %s: %s", info.rank, cfg.env.contract, v)
+    agree(info, error)
+    return manifest
+
+
+def record_environment(info: DistInfo, run: RunDir, manifest: Any, *, resume: bool) -> None:
+    """Rank 0 writes its manifest; ranks whose image or host differ are reported by rank and field."""
+    from steadytrain.env import compare_ranks, gather_manifests
+
+    manifests = gather_manifests(manifest)
+    if not info.is_main or resume:
+        return
+    run.write_json(run.env, manifest.to_dict())
+    differing = compare_ranks(manifests) if manifests else {}
+    if differing:
+        report = {str(r): [d.__dict__ for d in diffs] for r, diffs in differing.items()}
+        run.write_json(run.path / "env.ranks.json", report)
+        for r, diffs in differing.items():
+            fields = "; ".join(f"{d.path}: {d.a} vs {d.b}" for d in diffs[:5])
+            log.warning("rank %d differs from rank 0: %s", r, fields)
+
+
+def truncate_logs(run: RunDir, step: int) -> None:
+    """Drop log lines past ``step`` (written after the checkpoint a resume starts from)."""
+    for path in (run.metrics, run.nonfinite):
+        if not path.exists():
+            continue
+        keep = [
+            line
+            for line in path.read_text().splitlines(keepends=True)
+            if line.strip() and json.loads(line)["step"] <= step
+        ]
+        write_text_atomic(path, "".join(keep))
+
+
+def log_start(job: Job) -> None:
+    p = job.plan
+    if not job.info.is_main:
+        return
+    rule = (
+        f"{p.scaling_rule} x{p.global_batch_size / p.base_batch_size:g} from {p.base_lr:g} @ {p.base_batch_size}"
+        if p.base_batch_size
+        else "unscaled"
+    )
+    log.info(
+        "effective batch %d = micro %d x accumulation %d x world %d; lr %.4g (%s); warmup %d of %d optimizer steps",
+        p.global_batch_size,
+        p.micro_batch_size,
+        p.accumulation_steps,
+        p.world_size,
+        p.lr,
+        rule,
+        p.warmup_steps,
+        p.total_steps,
+    )
+    if p.dropped_per_epoch:
+        log.info("%d example(s) per epoch do not fill a global batch and are not used", p.dropped_per_epoch)
+    log.info("run directory: %s", job.run.path)
+
+
+def record_nonfinite(job: Job, event: Any) -> None:
+    """Append this rank's record of a refused step: the shards and examples of every micro-batch in play."""
+    micro = [{"shard": t["shard"].tolist(), "index": t["index"].tolist()} for t in event.tags]
+    bad = set(event.nonfinite_micro_batches)
+    record = {
+        "step": job.step,
+        "rank": job.info.rank,
+        "reason": event.reason,
+        "grad_norm": event.grad_norm if math.isfinite(event.grad_norm) else str(event.grad_norm),
+        "shards": sorted({s for mb in micro for s in mb["shard"]}),
+        "micro_batches": [{**mb, "finite": i not in bad} for i, mb in enumerate(micro)],
+    }
+    append_jsonl(job.run.nonfinite, record)
+    log.warning("step %d skipped on rank %d: %s", job.step, job.info.rank, event.message(job.step))
+
+
+def global_exposure(job: Job) -> dict[int, int]:
+    """Examples seen per shard over all ranks (a collective: every rank calls it)."""
+    size = max(job.ds.shard_ids, default=-1) + 1
+    counts = torch.zeros(size, dtype=torch.int64)
+    for s, n in job.exposure.items():
+        counts[s] += n
+    if job.info.backend is not None:
+        dist.all_reduce(counts)
+    return {s: int(n) for s, n in enumerate(counts.tolist()) if n}
+
+
+def finish(job: Job, stopped: str | None) -> dict[str, Any]:
+    """Write ``summary.md``; log and return the run's numbers."""
+    last = job.metrics.last if job.metrics else {}
+    summary = {
+        "run_dir": str(job.run.path),
+        "steps": job.step,
+        "skipped_steps": job.acc.skipped_steps,
+        "final_loss": last.get("loss"),
+        "elapsed_s": round(job.metrics.elapsed(), 1) if job.metrics else 0.0,
+        "stopped": stopped,
+    }
+    if job.info.is_main:
+        p = job.plan
+        lines = [
+            f"# Run {job.run.path.name}",
+            "",
+            f"- effective batch {p.global_batch_size} = micro {p.micro_batch_size} x accumulation "
+            f"{p.accumulation_steps} x world {p.world_size}; peak LR {p.lr:.4g} ({p.scaling_rule} rule)",
+            f"- optimizer steps {job.step} of {p.total_steps}, skipped {job.acc.skipped_steps}",
+            f"- final loss {summary['final_loss']}, wall time {summary['elapsed_s']} s",
+        ]
+        if stopped:
+            lines.append(f"- stopped early: {stopped}")
+        write_text_atomic(job.run.summary, "\n".join(lines) + "\n")
+        log.info(
+            "done: %d steps (%d skipped), final loss %s, %.1f s; run directory %s",
+            job.step,
+            job.acc.skipped_steps,
+            summary["final_loss"],
+            summary["elapsed_s"],
+            job.run.path,
+        )
+    barrier(job.info)
+    return summary

@@ -1,0 +1,183 @@
+"""Building a run's pieces from its config: batch plan, data, model, optimizer, schedule, accumulator.
+
+Each builder is a plain function of the config (and the process's place in the job), so the
+training loop reads top to bottom and a test can build any piece alone.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow.compute as pc
+import torch
+from torch import nn
+
+from steadytrain.accumulate import GradientAccumulator
+from steadytrain.data import Schema, ShardedDataset, infer_schema, open_dataset
+from steadytrain.errors import UserError
+from steadytrain.optim import LAMB, LARS, exclude_bias_and_norm
+from steadytrain.schedule import BatchPlan, warmup_schedule
+from steadytrain.train.config import TrainConfig
+from steadytrain.train.distributed import DistInfo
+
+__all__ = ["RunPlan", "build_accumulator", "build_dataset", "build_optimizer", "data_path", "resolve_plan"]
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """The numbers a run is built from: the batch plan, counted in optimizer steps."""
+
+    micro_batch_size: int
+    accumulation_steps: int
+    world_size: int
+    global_batch_size: int
+    base_lr: float
+    base_batch_size: int | None
+    scaling_rule: str
+    lr: float
+    steps_per_epoch: int | None
+    total_steps: int | None
+    warmup_steps: int | None
+    dropped_per_epoch: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def data_path(cfg: TrainConfig) -> Path:
+    """The dataset directory: the configured one, or the embedded corpus (written on first use)."""
+    if cfg.data.path is not None:
+        return Path(cfg.data.path)
+    from steadytrain.train.corpus import default_corpus
+
+    return default_corpus(cfg.data.seq_len)
+
+
+def batch_plan(cfg: TrainConfig, world_size: int) -> BatchPlan:
+    """The BatchPlan of the config on ``world_size`` ranks (global batch held, accumulation derived)."""
+    b = cfg.batch
+    return BatchPlan(
+        micro_batch_size=b.micro_batch_size,
+        accumulation_steps=b.accumulation_steps,
+        global_batch_size=b.global_batch_size,
+        world_size=world_size,
+        base_lr=b.base_lr,
+        base_batch_size=b.base_batch_size,
+        scaling_rule=b.scaling,
+    )
+
+
+def resolve_plan(cfg: TrainConfig, world_size: int, steps_per_epoch: int | None, dropped: int | None = None) -> RunPlan:
+    """Every derived number; without ``steps_per_epoch`` the step counts stay unknown (None)."""
+    bp = batch_plan(cfg, world_size)
+    total = warmup = None
+    if steps_per_epoch is not None:
+        # max_steps decides when set (as many epochs as it takes); otherwise the epochs do.
+        total = cfg.run.max_steps if cfg.run.max_steps is not None else steps_per_epoch * cfg.run.epochs
+        warmup = cfg.batch.warmup_steps
+        if warmup is None:
+            warmup = math.ceil((cfg.batch.warmup_ratio or 0.0) * total)
+        if warmup > total:
+            raise UserError(f"batch.warmup_steps={warmup} exceeds the run's {total} optimizer steps: shorten it")
+    return RunPlan(
+        micro_batch_size=bp.micro_batch_size,
+        accumulation_steps=bp.accumulation_steps,
+        world_size=world_size,
+        global_batch_size=bp.global_batch_size,
+        base_lr=cfg.batch.base_lr,
+        base_batch_size=cfg.batch.base_batch_size,
+        scaling_rule=cfg.batch.scaling,
+        lr=float(bp.lr),
+        steps_per_epoch=steps_per_epoch,
+        total_steps=total,
+        warmup_steps=warmup,
+        dropped_per_epoch=dropped,
+    )
+
+
+def load_schema(cfg: TrainConfig) -> Schema | None:
+    return Schema.load(cfg.data.schema_file) if cfg.data.schema_file else None
+
+
+def build_dataset(cfg: TrainConfig, path: Path, info: DistInfo, accumulation_steps: int) -> ShardedDataset:
+    """This rank's view of the global order (equal micro-batch counts on every rank)."""
+    return ShardedDataset(
+        path,
+        rank=info.rank,
+        world_size=info.world_size,
+        batch_size=cfg.batch.micro_batch_size,
+        accumulation_steps=accumulation_steps,
+        shuffle=True,
+        seed=cfg.run.seed,
+        shuffle_window=cfg.data.shuffle_window,
+        schema=load_schema(cfg),
+        policy=cfg.data.policy,
+    )
+
+
+def numeric_stats(path: Path, schema: Schema) -> dict[str, tuple[float, float]]:
+    """Mean and standard deviation of the schema's numeric fields over the dataset (for standardizing)."""
+    ds = open_dataset(path)
+    names = [
+        n for n, f in schema.fields.items() if f.vocabulary is None and f.dtype.startswith(("int", "uint", "float"))
+    ]
+    sums = {n: np.zeros(3) for n in names}  # count, sum, sum of squares
+    for sid in ds.shard_ids:
+        table = ds.read_shard(sid, columns=names)
+        for n in names:
+            col = pc.cast(table[n], "float64")
+            col = pc.filter(col, pc.is_finite(col))
+            sums[n] += [len(col), pc.sum(col).as_py() or 0.0, pc.sum(pc.multiply(col, col)).as_py() or 0.0]
+    out = {}
+    for n, (c, s, q) in sums.items():
+        mean = s / c if c else 0.0
+        std = math.sqrt(max(q / c - mean * mean, 0.0)) if c else 1.0
+        out[n] = (mean, std if std > 0 else 1.0)
+    return out
+
+
+def model_context(cfg: TrainConfig, path: Path) -> dict[str, Any]:
+    """What built-in models need from the data: ``seq_len`` (tiny-lm), schema and statistics (tabular)."""
+    ctx: dict[str, Any] = {"seq_len": cfg.data.seq_len}
+    if cfg.model.name == "tabular":
+        schema = load_schema(cfg) or infer_schema(open_dataset(path))
+        ctx.update(schema=schema, stats=numeric_stats(path, schema))
+    return ctx
+
+
+def build_optimizer(cfg: TrainConfig, model: nn.Module, lr: float, device: torch.device) -> torch.optim.Optimizer:
+    """The configured optimizer (fused AdamW/SGD where the device supports it)."""
+    o = cfg.optim
+    if o.name in ("lars", "lamb"):
+        groups = exclude_bias_and_norm(model, o.weight_decay)
+        if o.name == "lars":
+            return LARS(groups, lr=lr, momentum=o.momentum, weight_decay=o.weight_decay)
+        return LAMB(groups, lr=lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+    fused = o.fused if o.fused is not None else device.type in ("cuda", "cpu")
+    params = [p for p in model.parameters() if p.requires_grad]
+    if o.name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=o.momentum, weight_decay=o.weight_decay, fused=fused)
+    return torch.optim.AdamW(params, lr=lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, fused=fused)
+
+
+def build_accumulator(
+    cfg: TrainConfig, model: nn.Module, optimizer: torch.optim.Optimizer, plan: RunPlan, scaler: Any
+) -> GradientAccumulator:
+    """The accumulator with the run's schedule, clipping and non-finite policy."""
+    scheduler = warmup_schedule(
+        optimizer, plan.warmup_steps, plan.total_steps, decay=cfg.batch.decay, min_lr_ratio=cfg.batch.min_lr_ratio
+    )
+    return GradientAccumulator(
+        model,
+        optimizer,
+        accumulation_steps=plan.accumulation_steps,
+        scheduler=scheduler,
+        max_grad_norm=cfg.clip.max_grad_norm,
+        clip_value=cfg.clip.clip_value,
+        grad_scaler=scaler,
+        on_nonfinite=cfg.nonfinite.policy,
+    )
