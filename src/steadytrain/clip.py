@@ -15,14 +15,17 @@ norm. None of them synchronises with the host.
 from __future__ import annotations
 
 import math
+import numbers
 from collections import defaultdict
 from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 
 from steadytrain._check import check_finite
+from steadytrain._io import brief
+from steadytrain._norm_kernels import foreach_norms
 from steadytrain.errors import UserError
 
 try:  # DTensor is absent on builds without torch.distributed.
@@ -43,9 +46,20 @@ Parameters = Tensor | Iterable[Tensor]
 
 
 def _grads(parameters: Parameters) -> list[Tensor]:
+    """The gradients of ``parameters``; a :class:`UserError` for anything but tensors (a module, say)."""
     if isinstance(parameters, Tensor):
-        parameters = [parameters]
-    return [p.grad for p in parameters if p.grad is not None]
+        return [parameters.grad] if parameters.grad is not None else []
+    if isinstance(parameters, nn.Module):
+        raise UserError(f"parameters is a module ({type(parameters).__name__}): pass model.parameters()")
+    try:
+        params = list(parameters)
+    except TypeError:
+        raise UserError(
+            f"parameters={brief(parameters)} must be a tensor or an iterable of tensors, e.g. model.parameters()"
+        ) from None
+    if bad := next((p for p in params if not isinstance(p, Tensor)), None):
+        raise UserError(f"parameters holds {brief(bad)} ({type(bad).__name__}), not a tensor: pass model.parameters()")
+    return [p.grad for p in params if p.grad is not None]
 
 
 def _is_dtensor(t: Tensor) -> bool:
@@ -65,9 +79,10 @@ def _local(grad: Tensor) -> Tensor:
 
 
 def _check_norm_type(norm_type: float) -> float:
-    """``norm_type`` as a float p > 0 (``inf`` allowed); NaN, 0, negatives and non-numbers are refused."""
+    """``norm_type`` as a float p > 0 (``inf`` allowed); NaN, 0, negatives, strings, tensors are refused."""
     try:
-        p = float(norm_type) if not isinstance(norm_type, bool) else math.nan
+        real = isinstance(norm_type, numbers.Real) and not isinstance(norm_type, bool)
+        p = float(norm_type) if real else math.nan
     except (TypeError, ValueError, OverflowError):
         p = math.nan
     if not p > 0:  # NaN fails too
@@ -94,66 +109,6 @@ def _shard_groups(grad: Tensor) -> tuple[dist.ProcessGroup, ...]:
     return tuple(mesh.get_group(d) for d, p in enumerate(grad.placements) if p.is_shard())
 
 
-# CPU only: torch's CPU norm kernel keeps a few long float32 running sums (measured here: relative error
-# 2.4e-3 on a 38.6M-element tensor, GPT-2's embedding), and with ``dtype=float32`` on fp16/bf16 input it
-# takes a slow path (~20x, it casts the whole tensor). Large CPU tensors are therefore reduced in short rows,
-# then over the row norms; fp16/bf16 rows are cast to float32 one cache-sized chunk at a time.
-_ROW = 2048  # elements per row of the two-level reduction
-_BIG = 1 << 16  # contiguous CPU tensors at least this large take the row-wise path
-_STAGE = 1 << 20  # fp16/bf16 elements cast to float32 per step (a reused 4 MiB buffer)
-
-
-def _rows_norm(flat: Tensor, norm_type: float) -> Tensor:
-    """Norms of the ``_ROW``-element rows of a 1-D tensor, plus one for its tail."""
-    n = flat.numel()
-    m = n // _ROW
-    parts = []
-    if m:
-        parts.append(torch.linalg.vector_norm(flat[: m * _ROW].view(m, _ROW), norm_type, dim=1))
-    if m * _ROW < n:
-        parts.append(torch.linalg.vector_norm(flat[m * _ROW :], norm_type).reshape(1))
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
-
-
-def _cpu_big_norm(t: Tensor, norm_type: float, buf: Tensor | None) -> Tensor:
-    """Norm of one large contiguous CPU tensor, float32-accurate; ``buf``: float32 staging for fp16/bf16."""
-    flat = t.view(-1)
-    if buf is None:
-        return torch.linalg.vector_norm(_rows_norm(flat, norm_type), norm_type)
-    rows = []
-    for chunk in flat.split(buf.numel()):
-        b = buf[: chunk.numel()]
-        b.copy_(chunk)
-        rows.append(_rows_norm(b, norm_type))
-    return torch.linalg.vector_norm(torch.cat(rows), norm_type)
-
-
-def _foreach_norms(tensors: list[Tensor], norm_type: float) -> list[Tensor]:
-    """Per-tensor norms accumulated in float32, one fused kernel per (device, dtype) group."""
-    by_key: dict[tuple[torch.device, torch.dtype], list[int]] = defaultdict(list)
-    for i, t in enumerate(tensors):
-        by_key[(t.device, t.dtype)].append(i)
-    out: list[Tensor | None] = [None] * len(tensors)
-    for (device, dtype), idx in by_key.items():
-        # Low-precision grads square into float32: an fp16 sum of squares overflows at 65504.
-        acc = torch.float32 if dtype in (torch.float16, torch.bfloat16) else None
-        if device.type == "cpu" and math.isfinite(norm_type) and dtype.is_floating_point:
-            big = [i for i in idx if tensors[i].numel() >= _BIG and tensors[i].is_contiguous()]
-            if big:
-                size = min(_STAGE, max(tensors[i].numel() for i in big))
-                buf = torch.empty(size, dtype=torch.float32) if acc is not None else None
-                for i in big:
-                    out[i] = _cpu_big_norm(tensors[i], norm_type, buf)
-                taken = set(big)
-                idx = [i for i in idx if i not in taken]
-        if not idx:
-            continue
-        group = [tensors[i] for i in idx]
-        for i, n in zip(idx, torch._foreach_norm(group, norm_type, dtype=acc), strict=True):
-            out[i] = n
-    return out  # type: ignore[return-value]
-
-
 def _reduce_(values: Tensor, norm_type: float, groups: Iterable[dist.ProcessGroup]) -> Tensor:
     """Combine per-rank norms into the norm over all ranks, in place; ``values`` holds norms."""
     groups = list(groups)
@@ -174,7 +129,7 @@ def _per_tensor_norms(grads: list[Tensor], norm_type: float) -> Tensor:
     has_dtensor = any(_is_dtensor(g) for g in grads)
     locals_ = [_local(g) for g in grads] if has_dtensor else grads
     device = locals_[0].device
-    norms = torch.stack([n.to(device, non_blocking=True) for n in _foreach_norms(locals_, norm_type)])
+    norms = torch.stack([n.to(device, non_blocking=True) for n in foreach_norms(locals_, norm_type)])
     if not has_dtensor:
         return norms
     # Sharded gradients: reduce each one's partial norm over the groups it is sharded on.
@@ -297,11 +252,19 @@ def scale_grads_(parameters: Parameters, factor: Tensor | float) -> None:
         parameters: a tensor or an iterable of tensors whose ``.grad`` is scaled in place.
         factor: a Python number or a 0-dim tensor (a tensor stays on the device: no host sync).
 
+    Raises:
+        UserError: ``factor`` is not a finite number nor a 0-dim tensor, or ``parameters`` holds no tensors.
+
     Example:
         >>> b = torch.nn.Parameter(torch.zeros(1)); b.grad = torch.tensor([12.0])
         >>> scale_grads_([b], torch.tensor(0.5)); b.grad
         tensor([6.])
     """
+    if isinstance(factor, Tensor):
+        if factor.ndim:
+            raise UserError(f"factor has shape {tuple(factor.shape)}: pass a 0-dim tensor or a number")
+    else:
+        factor = check_finite("factor", factor)
     grads = _grads(parameters)
     if grads:
         _scale_(grads, factor)

@@ -22,7 +22,13 @@ gradients are read once for the norm and once by the step.
 """
 
 from steadytrain.accumulate.accumulator import GradientAccumulator, MicroBatch
-from steadytrain.accumulate.events import ON_NONFINITE, NonFiniteEvent, NonFiniteGradientError, StepResult
+from steadytrain.accumulate.events import (
+    ON_NONFINITE,
+    NonFiniteEvent,
+    NonFiniteGradientError,
+    StepResult,
+    UsageError,
+)
 
 __all__ = [
     "ON_NONFINITE",
@@ -31,4 +37,5 @@ __all__ = [
     "NonFiniteEvent",
     "NonFiniteGradientError",
     "StepResult",
+    "UsageError",
 ]

@@ -17,8 +17,9 @@ import torch
 from torch import Tensor, nn
 
 from steadytrain._check import check_int
+from steadytrain._io import brief
 from steadytrain.accumulate import normalize
-from steadytrain.accumulate.events import NonFiniteEvent, NonFiniteGradientError, StepResult
+from steadytrain.accumulate.events import NonFiniteEvent, NonFiniteGradientError, StepResult, UsageError
 from steadytrain.accumulate.state import Cycle
 from steadytrain.accumulate.step import (
     Reading,
@@ -58,17 +59,38 @@ class MicroBatch:
         without a graph, an error in the loss or in a hook) happen before any is written.
 
         Raises:
-            RuntimeError: outside its ``with`` block, or called twice.
+            UsageError: outside its ``with`` block, called twice, or a ``loss`` that is not a tensor or does not
+                require grad (a ``UserError`` and a ``RuntimeError``).
             UserError: ``loss`` is not a scalar (a ``ValueError``).
         """
         if not self._open:
-            raise RuntimeError("mb.backward() called outside its `with acc.micro_batch() as mb:` block")
+            raise UsageError("mb.backward() called outside its `with acc.micro_batch() as mb:` block")
         if self.loss is not None:
-            raise RuntimeError("mb.backward() called twice in one micro-batch: use one micro_batch() per backward")
+            raise UsageError("mb.backward() called twice in one micro-batch: use one micro_batch() per backward")
+        if not isinstance(loss, Tensor):
+            raise UsageError(f"loss is a {type(loss).__name__}, not a tensor: pass the loss tensor the model computed")
         if loss.ndim != 0:
             raise UserError(f"loss has shape {tuple(loss.shape)}: pass the scalar mean over the micro-batch's items")
+        if not loss.requires_grad:
+            raise UsageError(
+                "loss does not require grad: computed under torch.no_grad(), detached, or from a frozen model?"
+            )
         self._acc._scaled(loss, self.num_items).backward()
         self.loss = loss.detach()  # only now: a backward that raised is not a micro-batch
+
+
+def _check_parts(model: object, optimizer: object, scheduler: object, grad_scaler: object) -> None:
+    """Refuse, at construction, an argument of the wrong kind (not K backward passes later)."""
+    if not isinstance(model, nn.Module):
+        raise UserError(f"model={brief(model)} is a {type(model).__name__}, not a torch.nn.Module")
+    for name, obj, needs in (
+        ("optimizer", optimizer, ("step", "zero_grad", "param_groups")),
+        ("scheduler", scheduler, ("step",)),
+        ("grad_scaler", grad_scaler, ("scale", "unscale_", "update")),
+    ):
+        required = name == "optimizer"
+        if (obj is not None or required) and (lacks := [a for a in needs if not hasattr(obj, a)]):
+            raise UserError(f"{name}={brief(obj)} ({type(obj).__name__}) has no {lacks[0]!r}: not a torch {name}")
 
 
 def _warn_batchnorm(model: nn.Module, accumulation_steps: int) -> None:
@@ -143,8 +165,14 @@ class GradientAccumulator:
         eps: float = 1e-6,
     ) -> None:
         self.accumulation_steps = check_int("accumulation_steps", accumulation_steps)
+        _check_parts(model, optimizer, scheduler, grad_scaler)
         self.model, self.optimizer, self.scheduler, self.grad_scaler = model, optimizer, scheduler, grad_scaler
         self._params = [p for p in model.parameters() if p.requires_grad]
+        if not self._params:
+            raise UserError(
+                f"the model ({type(model).__name__}) has no parameters that require grad: nothing to train "
+                "(all frozen? call requires_grad_() on the ones to train)"
+            )
         self._step = StepConfig.build(
             optimizer,
             self._params,
@@ -207,12 +235,17 @@ class GradientAccumulator:
                 host sync (no sync per micro-batch), and an invalid one refuses the step.
             tag: anything identifying the data (shard, example indices); kept for non-finite events.
 
+        A cycle that an exception left complete but not stepped (raised in the block after the backward
+        of its last micro-batch) is stepped first.
+
         Raises:
             UserError: a bad ``num_items``, or ``num_items`` on some micro-batches of a cycle only.
-            RuntimeError: a micro-batch is already open, or the block ended without ``mb.backward``.
+            UsageError: a micro-batch is already open, or the block ended without ``mb.backward``.
         """
         if self._active is not None:
-            raise RuntimeError("micro_batch() is already open: finish one micro-batch before starting the next")
+            raise UsageError("micro_batch() is already open: finish one micro-batch before starting the next")
+        if self._cycle.micro and self._cycle.synced:
+            self._end_cycle()  # complete, left unstepped by an exception raised after its last backward
         cycle = self._cycle
         num_items = normalize.check_num_items(num_items)
         if cycle.micro and cycle.use_items != (num_items is not None):
@@ -231,7 +264,7 @@ class GradientAccumulator:
                 cycle.add(mb.loss, tag, num_items, synced=last)
                 self.micro_steps += 1
         if mb.loss is None:
-            raise RuntimeError("a micro_batch() block ended without mb.backward(loss)")
+            raise UsageError("a micro_batch() block ended without mb.backward(loss)")
         if last:
             mb.result = self._end_cycle()
 

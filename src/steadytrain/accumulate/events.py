@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from steadytrain.errors import UserError
+
 __all__ = [
     "INVALID_ITEMS",
     "NONFINITE_NORM",
@@ -21,6 +23,7 @@ __all__ = [
     "NonFiniteEvent",
     "NonFiniteGradientError",
     "StepResult",
+    "UsageError",
 ]
 
 ON_NONFINITE = ("skip", "raise", "ignore")
@@ -43,6 +46,11 @@ _EXPLAIN = {
 
 class NonFiniteGradientError(RuntimeError):
     """A step was refused (non-finite norm or invalid item counts) and ``on_nonfinite="raise"``."""
+
+
+class UsageError(UserError, RuntimeError):
+    """The accumulator used out of order (a second ``backward``, nested blocks, a block without a backward,
+    a loss that cannot be backwarded): a :class:`UserError`, and a ``RuntimeError`` as before."""
 
 
 @dataclass(frozen=True)

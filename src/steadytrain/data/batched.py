@@ -32,6 +32,8 @@ import torch
 from torch.utils.data import get_worker_info
 
 from steadytrain._check import check_int
+from steadytrain._io import brief
+from steadytrain.data.columns import ColumnGuard
 from steadytrain.data.format import Dataset, DatasetError
 from steadytrain.data.order import GlobalLayout, check_layout_fits, epoch_windows, window_permutation
 from steadytrain.data.policy import PolicyCounts, apply_policy
@@ -42,7 +44,19 @@ __all__ = ["DEFAULT_SHUFFLE_WINDOW", "BatchedMode", "global_batch", "micro_batch
 log = logging.getLogger(__name__)
 
 DEFAULT_SHUFFLE_WINDOW = 8  # shards shuffled together
+_STATE_KEYS = ("epoch", "micro", "step", "seed", "global_batch_size", "batch_size", "accumulation_steps")
+_STATE_KEYS += ("world_size", "shuffle", "shuffle_window", "dataset", "counts")
 _NUMERIC = (pa.types.is_integer, pa.types.is_floating, pa.types.is_boolean)
+
+
+def _rows(value: Any) -> str | int:
+    """The number of rows of a transformed column (an int), or what it is instead (a str)."""
+    if isinstance(value, torch.Tensor | np.ndarray) and value.ndim == 0:
+        return "0-dim tensor (no rows)"
+    try:
+        return len(value)
+    except TypeError:
+        return f"{type(value).__name__} (no rows)"
 
 
 def _column(col: pa.ChunkedArray | pa.Array) -> Any:
@@ -78,7 +92,7 @@ class BatchedMode:
         layout: GlobalLayout,
         shuffle: bool,
         seed: int,
-        window: int,
+        window: int | None,
         schema: Any,
         policy: str,
         transform: Callable[[dict[str, Any]], dict[str, Any]] | None,
@@ -87,8 +101,10 @@ class BatchedMode:
         if transform is not None and not callable(transform):
             raise UserError(f"transform={transform!r} is not callable: give a function mb -> mb")
         self.dataset, self.shard_ids, self.rank, self.layout = dataset, shard_ids, rank, layout
+        window = DEFAULT_SHUFFLE_WINDOW if window is None else window
         self.shuffle, self.seed, self.window = shuffle, seed, check_int("shuffle_window", window)
         self.schema, self.policy, self.transform, self.verify = schema, policy, transform, verify
+        self.columns = ColumnGuard(dataset, shard_ids, verify=verify)
         self.fingerprint = dataset.fingerprint(shard_ids)
         self.counts = PolicyCounts()
         self._rows = self._row_counts()
@@ -105,12 +121,7 @@ class BatchedMode:
         return {sid: self._read(sid, count=False).num_rows for sid in self.shard_ids}
 
     def _read(self, sid: int, *, count: bool = True) -> pa.Table:
-        table = self.dataset.read_shard(sid, verify=self.verify)
-        clash = {"shard", "index"} & set(table.column_names)
-        if clash:
-            raise DatasetError(
-                f"shard {sid}: has its own column(s) {sorted(clash)}, which the reader adds: rename them"
-            )
+        table = self.columns.conform(sid, self.dataset.read_shard(sid, verify=self.verify))  # no shard/index
         indices = np.arange(table.num_rows, dtype=np.int64)
         if self.schema is not None:
             table, indices, counts = apply_policy(table, self.schema, self.policy, shard=sid)
@@ -185,17 +196,31 @@ class BatchedMode:
         for m, table in self.iter_tables():
             mb = micro_batch_dict(table)
             if self.transform is not None:
-                mb = self._apply_transform(mb, table.num_rows)
+                mb = self._apply_transform(mb, table, m)
             self.micro = m + 1
             yield mb
 
-    def _apply_transform(self, mb: dict[str, Any], n: int) -> dict[str, Any]:
-        out = self.transform(mb)
+    def _apply_transform(self, mb: dict[str, Any], table: pa.Table, m: int) -> dict[str, Any]:
+        """``transform(mb)``, checked: a dict of columns of the micro-batch's length, ``shard``/``index`` kept."""
+        where = f"micro-batch {m} of epoch {self.epoch} (shards {sorted(set(table.column('shard').to_pylist()))})"
+        try:
+            out = self.transform(mb)
+        except Exception as err:  # the user's own error keeps its type (an OOM stays an OOM), told where
+            if hasattr(err, "add_note"):
+                err.add_note(f"steadytrain: raised by the transform on {where}")
+            raise
         if not isinstance(out, dict):
-            raise UserError(f"transform returned {type(out).__name__}, not a dict of columns: return the micro-batch")
+            raise UserError(f"transform returned {type(out).__name__} on {where}, not a dict of columns: return mb")
+        if dropped := [c for c in ("shard", "index") if c not in out]:
+            raise UserError(f"transform dropped {dropped[0]!r} on {where}: keep it, it names each example's source")
+        n = table.num_rows
         for key, value in out.items():
-            if len(value) != n:
-                raise UserError(f"transform changed the batch length: column {key!r} has {len(value)} rows, not {n}")
+            if not isinstance(key, str):
+                raise UserError(f"transform returned column {brief(key)}: a column name is not a string")
+            rows = _rows(value)
+            if rows != n:
+                what = f"{rows} rows" if isinstance(rows, int) else rows
+                raise UserError(f"transform changed the batch length on {where}: {key!r} has {what}, not {n} rows")
         return out
 
     def state_dict(self) -> dict[str, Any]:
@@ -219,9 +244,14 @@ class BatchedMode:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume: the same layout continues at the next micro-batch; another ``W``/``K``/``B`` with the
-        same global batch continues at the next optimizer step."""
+        same global batch continues at the next optimizer step. Nothing changes unless the whole state
+        is sound (every field checked; a position past the end of the epoch is refused)."""
         if not isinstance(state, dict) or state.get("mode") != "batched":
             raise UserError("state is not a batched ShardedDataset state (per-example state into a batched dataset?)")
+        if missing := [k for k in _STATE_KEYS if k not in state]:
+            raise UserError(
+                f"batched state lacks {', '.join(missing)}: not a ShardedDataset.state_dict() of this version"
+            )
         lay = self.layout
         for key, mine, why in (
             ("dataset", self.fingerprint, "another dataset or shard selection"),
@@ -230,20 +260,33 @@ class BatchedMode:
             ("shuffle", self.shuffle, "another order"),
             ("shuffle_window", self.window, "another order"),
         ):
-            if state.get(key) != mine:
+            if state[key] != mine or type(state[key]) is not type(mine):
                 raise UserError(
-                    f"state {key}={state.get(key)!r} != this dataset's {mine!r}: {why}; resume with the same"
+                    f"state {key}={brief(state[key])} != this dataset's {mine!r}: {why}; resume with the same"
                 )
-        same_layout = (state["batch_size"], state["accumulation_steps"]) == (lay.batch_size, lay.accumulation_steps)
-        same_layout = same_layout and state["world_size"] == lay.world_size
-        if not same_layout and state["micro"] % state["accumulation_steps"]:
+        epoch = check_int("state epoch", state["epoch"], 0)
+        b, k, w = (check_int(f"state {key}", state[key]) for key in ("batch_size", "accumulation_steps", "world_size"))
+        if b * k * w != lay.global_batch_size:
+            raise UserError(
+                f"state batch_size {b} x accumulation_steps {k} x world_size {w} != its global_batch_size "
+                f"{lay.global_batch_size}: the state was edited"
+            )
+        micro = check_int("state micro", state["micro"], 0)
+        if micro > self.steps_per_epoch * k:
+            raise UserError(
+                f"state micro={micro} is past the end of the epoch ({self.steps_per_epoch * k} micro-batches)"
+            )
+        if state["step"] != micro // k:
+            raise UserError(f"state step={brief(state['step'])} != micro {micro} // accumulation_steps {k}: edited?")
+        counts = PolicyCounts.from_state(state["counts"])
+        same_layout = (b, k, w) == (lay.batch_size, lay.accumulation_steps, lay.world_size)
+        if not same_layout and micro % k:
             raise UserError(
                 "state was saved in the middle of an optimizer step: with another world size, accumulation or "
                 "batch size, resume from a state saved at a step boundary"
             )
-        self.epoch = state["epoch"]
-        self.micro = state["micro"] if same_layout else state["step"] * lay.accumulation_steps
-        self.counts = PolicyCounts(**state["counts"])
+        self.epoch, self.counts = epoch, counts
+        self.micro = micro if same_layout else (micro // k) * lay.accumulation_steps
 
 
 def global_batch(
@@ -254,7 +297,7 @@ def global_batch(
     seed: int,
     epoch: int | None = None,
     shuffle: bool = True,
-    shuffle_window: int = DEFAULT_SHUFFLE_WINDOW,
+    shuffle_window: int | None = None,
     shards: list[int] | None = None,
     schema: Any = None,
     policy: str = "raise",

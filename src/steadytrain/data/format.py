@@ -146,9 +146,23 @@ class Dataset:
             # through Arrow's threads can abort the interpreter at exit.)
             return pq.read_table(str(path), columns=columns, filesystem=pafs.LocalFileSystem())
         except (OSError, pa.ArrowException) as err:
-            raise CorruptShardError(
-                shard_id, f"shard {shard_id}: {info.file} is not readable Parquet: {brief(str(err))}"
-            ) from None
+            raise self._unreadable(info, path, err) from None
+
+    def read_schema(self, shard_id: int, *, verify: bool = True) -> pa.Schema:
+        """The shard's Arrow schema, from its Parquet footer alone (verified once per process by default)."""
+        info = self.shard(shard_id)
+        if verify and shard_id not in self._verified:
+            self.verify_shard(shard_id)
+        path = self.file_path(shard_id)
+        try:
+            return pq.read_schema(str(path), filesystem=pafs.LocalFileSystem())
+        except (OSError, pa.ArrowException) as err:
+            raise self._unreadable(info, path, err) from None
+
+    def _unreadable(self, info: ShardInfo, path: Path, err: Exception) -> CorruptShardError:
+        if not path.exists():
+            return CorruptShardError(info.id, f"shard {info.id}: {self.path / info.file} is missing")
+        return CorruptShardError(info.id, f"shard {info.id}: {info.file} is not readable Parquet: {brief(str(err))}")
 
 
 def _stat_key(path: Path) -> tuple[int, ...] | None:
@@ -244,8 +258,8 @@ class DatasetWriter:
             The index entry of the shard.
 
         Raises:
-            DatasetError: the id or its file exists already, the records are empty, not tabular or use a
-                reserved column, or the provenance is not JSON.
+            DatasetError: the id or its file exists already, the records are empty (no rows or no columns),
+                not tabular or use a reserved column, or the provenance is not JSON.
         """
         if shard_id is not None:
             check_int("shard_id", shard_id, 0)
@@ -317,6 +331,10 @@ class DatasetWriter:
 
     def _check_columns(self, table: pa.Table) -> None:
         names = table.column_names
+        if not names:
+            raise DatasetError(f"{self.path}: the table has no columns: a shard holds at least one column")
+        if table.num_rows == 0:
+            raise DatasetError(f"{self.path}: the table has no rows: a shard holds at least one record")
         if reserved := [c for c in RESERVED_COLUMNS if c in names]:
             raise DatasetError(
                 f"{self.path}: column {reserved[0]!r} is reserved: every example read back carries its "

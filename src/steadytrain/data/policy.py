@@ -10,8 +10,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from steadytrain._io import brief
 from steadytrain.data.masks import _as_array, _is_list, check_table
 from steadytrain.data.schema import POLICIES, Schema, SchemaViolationError, _short, dtype_name
+from steadytrain.errors import UserError
 
 __all__ = ["PolicyCounts", "apply_policy"]
 
@@ -23,6 +25,33 @@ class PolicyCounts:
     dropped: int = 0
     clamped: int = 0
     by_field: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def from_state(cls, value: object) -> PolicyCounts:
+        """Counts from a state's ``counts`` (``dataclasses.asdict`` form); a :class:`UserError` if malformed.
+
+        Example:
+            >>> PolicyCounts.from_state({"dropped": 2, "clamped": 0, "by_field": {"x": {"nan": 2}}}).dropped
+            2
+        """
+
+        def count(v: object) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+        by_field = value.get("by_field", {}) if isinstance(value, dict) else None
+        if (
+            not isinstance(value, dict)
+            or set(value) - {"dropped", "clamped", "by_field"}
+            or not all(count(value.get(k, 0)) for k in ("dropped", "clamped"))
+            or not isinstance(by_field, dict)
+            or not all(isinstance(f, str) and isinstance(k, dict) for f, k in by_field.items())
+            or not all(isinstance(n, str) and count(c) for k in by_field.values() for n, c in k.items())
+        ):
+            raise UserError(
+                f"ShardedDataset state: 'counts' = {brief(value)} is malformed (counts are integers >= 0): "
+                "not a state_dict() of this version"
+            )
+        return cls(value.get("dropped", 0), value.get("clamped", 0), {f: dict(k) for f, k in by_field.items()})
 
     def add(self, other: PolicyCounts) -> PolicyCounts:
         """Accumulate ``other`` into these counts (in place) and return them."""

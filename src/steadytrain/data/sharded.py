@@ -25,9 +25,9 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from steadytrain._check import check_int
 from steadytrain._io import brief
-from steadytrain.data.batched import DEFAULT_SHUFFLE_WINDOW, BatchedMode
+from steadytrain.data.batched import BatchedMode
+from steadytrain.data.columns import ColumnGuard
 from steadytrain.data.format import CorruptShardError, Dataset, DatasetError, open_dataset
-from steadytrain.data.index import RESERVED_COLUMNS
 from steadytrain.data.order import GlobalLayout
 from steadytrain.data.policy import PolicyCounts, apply_policy
 from steadytrain.data.schema import POLICIES
@@ -68,6 +68,17 @@ def select_shards(dataset: Dataset, shards: list[int] | None) -> list[int]:
     return sorted(shards)
 
 
+def _refuse_batched_options(accumulation_steps: object, shuffle_window: object, transform: object) -> None:
+    """Batched-mode options given to the per-example mode would be silently ignored: refuse them."""
+    given = {"accumulation_steps": accumulation_steps != 1, "shuffle_window": shuffle_window is not None}
+    given["transform"] = transform is not None
+    if name := next((n for n, g in given.items() if g), None):
+        raise UserError(
+            f"{name} is an option of the batched mode and would be ignored: give batch_size=B "
+            "(micro-batches in the global order), or leave it out"
+        )
+
+
 def assign_shards(
     shard_ids: list[int], *, rank: int, world_size: int, epoch: int, seed: int, shuffle: bool
 ) -> list[int]:
@@ -103,12 +114,15 @@ class ShardedDataset(IterableDataset):
             the global order of :mod:`steadytrain.data.order`, the same for any world size; ``None``
             (default) yields one dict per example, whole shards per rank.
         accumulation_steps: ``K``, micro-batches per optimizer step (batched mode).
-        shuffle_window: shards whose rows are shuffled together (batched mode; memory: this many shards).
+        shuffle_window: shards whose rows are shuffled together (batched mode; memory: this many shards;
+            default 8).
         transform: ``transform(mb) -> mb``, a vectorized hook applied to every micro-batch (batched mode).
 
     Raises:
-        UserError: bad rank/world size/policy/seed/epoch (a ``ValueError``).
-        DatasetError: shard ids twice, or not in the index.
+        UserError: bad rank/world size/policy/seed/epoch, a flag that is not a bool, or a batched-mode option
+            (``accumulation_steps``, ``shuffle_window``, ``transform``) without ``batch_size`` (a ``ValueError``).
+        DatasetError: shard ids twice, or not in the index; when read, a shard whose columns or types differ
+            from the first selected shard's.
     """
 
     def __init__(
@@ -127,7 +141,7 @@ class ShardedDataset(IterableDataset):
         verify: bool = True,
         batch_size: int | None = None,
         accumulation_steps: int = 1,
-        shuffle_window: int = DEFAULT_SHUFFLE_WINDOW,
+        shuffle_window: int | None = None,
         transform: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
     ) -> None:
         super().__init__()
@@ -139,15 +153,21 @@ class ShardedDataset(IterableDataset):
         check_int("epoch", epoch, 0)
         if policy not in POLICIES:
             raise UserError(f"policy={brief(policy)} is unknown: use one of {', '.join(POLICIES)}")
+        for name, flag in (("shuffle", shuffle), ("skip_corrupt", skip_corrupt), ("verify", verify)):
+            if not isinstance(flag, bool | np.bool_):
+                raise UserError(f"{name}={brief(flag)} must be True or False")
+        if batch_size is None:
+            _refuse_batched_options(accumulation_steps, shuffle_window, transform)
         self.shard_ids = select_shards(self.dataset, shards)
+        self.columns = ColumnGuard(self.dataset, self.shard_ids, verify=verify, skip_corrupt=skip_corrupt)
         if batch_size is None and rank >= len(self.shard_ids):
             log.warning(
                 "rank %d of %d gets no shards (%s has %d selected): it yields no examples; "
                 "use at most %d ranks or write more, smaller shards",
                 rank, world_size, self.dataset.path, len(self.shard_ids), max(len(self.shard_ids), 1),
             )  # fmt: skip
-        self.rank, self.world_size, self.shuffle, self.seed = rank, world_size, shuffle, seed
-        self.schema, self.policy, self.skip_corrupt, self.verify = schema, policy, skip_corrupt, verify
+        self.rank, self.world_size, self.shuffle, self.seed = rank, world_size, bool(shuffle), seed
+        self.schema, self.policy, self.skip_corrupt, self.verify = schema, policy, bool(skip_corrupt), bool(verify)
         self.epoch = epoch
         self._mode: BatchedMode | None = None
         if batch_size is not None:
@@ -157,8 +177,8 @@ class ShardedDataset(IterableDataset):
                 )
             layout = GlobalLayout(batch_size, accumulation_steps, world_size)
             self._mode = BatchedMode(
-                self.dataset, self.shard_ids, rank=rank, layout=layout, shuffle=shuffle, seed=seed,
-                window=shuffle_window, schema=schema, policy=policy, transform=transform, verify=verify,
+                self.dataset, self.shard_ids, rank=rank, layout=layout, shuffle=self.shuffle, seed=seed,
+                window=shuffle_window, schema=schema, policy=policy, transform=transform, verify=self.verify,
             )  # fmt: skip
             self._mode.epoch = epoch
         self._shard_pos = 0  # shards of this rank's epoch order fully consumed
@@ -261,15 +281,17 @@ class ShardedDataset(IterableDataset):
         epoch = check_int("state epoch", state["epoch"], 0)
         pos = check_int("state shard_pos", state["shard_pos"], 0)
         row = check_int("state row", state["row"], 0)
-        try:
-            counts = PolicyCounts(**state["counts"]) if "counts" in state else PolicyCounts()
-        except TypeError:
-            raise UserError(f"ShardedDataset state: 'counts' = {brief(state['counts'])} is malformed") from None
+        order = self.rank_shards(epoch)
+        if pos > len(order) or (pos == len(order) and row):
+            raise UserError(f"state shard_pos={pos}, row={row} is past the end of the epoch ({len(order)} shards)")
+        if pos < len(order) and row > (records := self.dataset.shard(order[pos]).records):
+            raise UserError(f"state row={row} is past the end of shard {order[pos]} ({records} records)")
+        counts = PolicyCounts.from_state(state["counts"]) if "counts" in state else PolicyCounts()
         self.epoch, self._shard_pos, self._row, self.counts = epoch, pos, row, counts
 
     def _load(self, sid: int) -> tuple[pa.Table, np.ndarray] | None:
         try:
-            table = self.dataset.read_shard(sid, verify=self.verify)
+            table = self.columns.conform(sid, self.dataset.read_shard(sid, verify=self.verify))
         except CorruptShardError as err:
             if not self.skip_corrupt:
                 raise
@@ -295,12 +317,8 @@ class ShardedDataset(IterableDataset):
         self._row_base, self._chunk = value, None
 
     def _prepare(self, sid: int, table: pa.Table, indices: np.ndarray) -> pa.Table:
-        """The shard's table in this epoch's order, with ``shard`` and ``index`` columns added."""
-        if clash := [c for c in RESERVED_COLUMNS if c in table.column_names]:
-            raise DatasetError(
-                f"{self.dataset.path}: shard {sid} has its own column {clash[0]!r}, which the reader adds to "
-                "every example: rename it in the data"
-            )
+        """The shard's table in this epoch's order, with ``shard`` and ``index`` columns added (the
+        :class:`ColumnGuard` has refused a shard that has its own)."""
         n = table.num_rows
         if self.shuffle:
             order = np.random.default_rng([self.seed, self.epoch, sid]).permutation(n)
@@ -322,6 +340,10 @@ class ShardedDataset(IterableDataset):
             if loaded is not None:
                 table = self._prepare(order[pos], *loaded)
                 start = self._row
+                if start > table.num_rows:
+                    raise DatasetError(
+                        f"resumed at row {start} of shard {order[pos]}, which now yields {table.num_rows} examples"
+                    )
                 for batch in table.slice(start).to_batches(_ROWS_PER_CHUNK):
                     rows = batch.to_pylist()
                     it = iter(rows)

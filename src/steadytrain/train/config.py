@@ -137,7 +137,7 @@ class RunConfig(_Section):
     seed: int = Field(default=0, ge=0, lt=2**63)
     deterministic: bool = False
     """Deterministic algorithms (slower; what ``repro`` uses)."""
-    max_steps: int | None = Field(default=300, ge=1)
+    max_steps: int | None = Field(default=200, ge=1)
     """Stop after this many optimizer steps (None: ``epochs`` decides)."""
     epochs: int = Field(default=1, ge=1)
     log_every: int = Field(default=10, ge=1)
