@@ -13,9 +13,21 @@ category (20 values) and an int64 label. Compared, interleaved, one full pass ea
 Checksums are verified once per process (the first pass, untimed warm-up). Ratios are medians of
 paired ratios over the rounds. Targets: >= 0.9x raw without validation, >= 0.7x with.
 
+With ``--batched``, the batched mode instead (micro-batches of ``B = 256`` as tensors):
+
+* ``raw arrow batches`` -- ``pq.read_table`` per file, record batches of 256, numeric columns to torch
+  with ``torch.from_numpy`` and strings to lists: the same work with no global order;
+* ``batched``           -- ``ShardedDataset(batch_size=256, shuffle=False)``;
+* ``batched+shuf``      -- the default: shard order and rows within a window of 8 shards shuffled;
+* ``batched W=2 rank 0`` -- one of two ranks on one machine (it reads every shard of the window and
+  keeps half the rows): its time per micro-batch against W=1 is the extra read cost of the window;
+* ``per-example``       -- the per-example mode, for examples/s.
+
+Target: batched >= 0.9x the raw loop in micro-batches/s; >= 10x the per-example mode in examples/s.
+
 Usage::
 
-    python bench/data.py [--rows N] [--repeats R] [--dir PATH]
+    python bench/data.py [--rows N] [--repeats R] [--dir PATH] [--batched]
 """
 
 from __future__ import annotations
@@ -28,6 +40,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+import torch
 
 from steadytrain.data import DatasetWriter, ShardedDataset, infer_schema, open_dataset
 
@@ -78,11 +91,66 @@ def ours_pass(ds: ShardedDataset, epoch: int) -> int:
     return count(ds)
 
 
+def raw_micro_batches(files: list[Path], batch_size: int):
+    """A hand-written PyArrow loop: record batches of ``batch_size`` with numeric columns as tensors."""
+    for f in files:
+        for batch in pq.read_table(f).to_batches(batch_size):
+            yield {
+                name: torch.from_numpy(col.to_numpy())
+                if pa.types.is_floating(col.type) or pa.types.is_integer(col.type)
+                else col.to_pylist()
+                for name, col in zip(batch.schema.names, batch.columns, strict=True)
+            }
+
+
+def timed_rounds(methods: dict, repeats: int, baseline: str, work: dict[str, int]) -> None:
+    """Interleaved rounds; prints the median rate and the median of paired ratios to ``baseline``."""
+    names = list(methods)
+    rates: dict[str, list[float]] = {m: [] for m in names}
+    ratios: dict[str, list[float]] = {m: [] for m in names}
+    for r in range(repeats):
+        elapsed = {}
+        for m in names[r % len(names) :] + names[: r % len(names)]:
+            t = time.perf_counter()
+            methods[m](r + 1)
+            elapsed[m] = time.perf_counter() - t
+            rates[m].append(work[m] / elapsed[m])
+        for m in names:
+            ratios[m].append((work[m] / elapsed[m]) / (work[baseline] / elapsed[baseline]))
+    print(f"| method | units/s (median) | ratio to {baseline} (median of paired) |")
+    print("|---|---:|---:|")
+    for m in names:
+        print(f"| {m} | {statistics.median(rates[m]):,.0f} | {statistics.median(ratios[m]):.3f} |")
+
+
+def batched_main(path: Path, files: list[Path], repeats: int, n: int) -> None:
+    b = 256
+    w1 = ShardedDataset(path, batch_size=b, shuffle=False)
+    w1s = ShardedDataset(path, batch_size=b, shuffle=True)
+    w2 = ShardedDataset(path, batch_size=b, world_size=2, rank=0, shuffle=True)
+    per_example = ShardedDataset(path, shuffle=False)
+    methods = {
+        "raw arrow batches": lambda e: count(raw_micro_batches(files, b)),
+        "batched": lambda e: ours_pass(w1, e),
+        "batched+shuf": lambda e: ours_pass(w1s, e),
+        "batched W=2 rank 0": lambda e: ours_pass(w2, e),
+        "per-example": lambda e: ours_pass(per_example, e),
+    }
+    work = {m: methods[m](0) for m in methods}  # warm-up; micro-batches (examples for per-example) per pass
+    print("micro-batches per pass:", {m: v for m, v in work.items() if m != "per-example"})
+    timed_rounds(methods, repeats, "raw arrow batches", work)
+    # examples/s: batched against per-example
+    ex = {m: work[m] * (1 if m == "per-example" else b) for m in methods}
+    timed_rounds({m: methods[m] for m in ("per-example", "batched")}, repeats, "per-example", ex)
+    print("targets: batched >= 0.9x raw arrow batches; >= 10x per-example in examples/s")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", type=int, default=1_000_000)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--dir", default="/tmp/steadytrain-bench-data")
+    parser.add_argument("--batched", action="store_true", help="measure the batched mode (micro-batches of 256)")
     args = parser.parse_args()
     path = Path(args.dir)
     start = time.perf_counter()
@@ -94,6 +162,9 @@ def main() -> None:
         f"{dataset.num_records:,} rows in {len(files)} shards ({sum(s.bytes for s in dataset.shards) / 2**20:.1f} MiB)"
         f", ready in {time.perf_counter() - start:.1f} s"
     )
+    if args.batched:
+        batched_main(path, files, args.repeats, dataset.num_records)
+        return
     methods = {
         "raw pyarrow": lambda e: count(raw_examples(files)),
         "raw + shard/index": lambda e: count(raw_examples_with_keys(files)),
