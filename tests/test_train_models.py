@@ -105,3 +105,26 @@ def test_user_factory_from_pythonpath_gets_its_keyword_arguments(tmp_path, tabul
     # Step 1 starts at w = 0: its loss is the mean of (0.001 x)^2 over exactly the examples of step 0.
     x = global_batch(tabular, 0, global_batch_size=32, seed=0)["x"].double()
     assert rows[0]["loss"] == pytest.approx(float(((0.001 * x) ** 2).mean()), rel=1e-5)
+
+
+@pytest.mark.parametrize("on_violation", ["fail", "warn"])
+def test_the_contract_is_checked_before_anything_is_written(tmp_path, tabular, on_violation):
+    contract = tmp_path / "contract.yaml"
+    contract.write_text('python: "2.7"\n')  # this machine runs Python 3: a violation
+    run_dir = tmp_path / "run"
+    args = [*sets("model.name=tabular", f"data.path={tabular}", "run.max_steps=2", f"env.contract={contract}")]
+    args += sets(f"env.on_violation={on_violation}", "batch.micro_batch_size=32", "batch.global_batch_size=64")
+    proc = subprocess.run(
+        [EXE, "train", "--run-dir", str(run_dir), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    if on_violation == "fail":
+        assert proc.returncode == 2 and "Python" in proc.stderr and "Traceback" not in proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1
+        assert not run_dir.exists()
+    else:
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert "contract" in proc.stderr and (run_dir / "metrics.jsonl").exists()
