@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -33,20 +32,20 @@ from torch.utils.data import get_worker_info
 
 from steadytrain._check import check_int
 from steadytrain._io import brief
+from steadytrain.data.columnar import concat_columns, slice_columns, to_columns
 from steadytrain.data.columns import ColumnGuard
 from steadytrain.data.format import Dataset, DatasetError
 from steadytrain.data.order import GlobalLayout, check_layout_fits, epoch_windows, window_permutation
 from steadytrain.data.policy import PolicyCounts, apply_policy
 from steadytrain.errors import UserError
 
-__all__ = ["DEFAULT_SHUFFLE_WINDOW", "BatchedMode", "global_batch", "micro_batch_dict"]
+__all__ = ["DEFAULT_SHUFFLE_WINDOW", "BatchedMode", "global_batch"]
 
 log = logging.getLogger(__name__)
 
 DEFAULT_SHUFFLE_WINDOW = 8  # shards shuffled together
 _STATE_KEYS = ("epoch", "micro", "step", "seed", "global_batch_size", "batch_size", "accumulation_steps")
 _STATE_KEYS += ("world_size", "shuffle", "shuffle_window", "dataset", "counts")
-_NUMERIC = (pa.types.is_integer, pa.types.is_floating, pa.types.is_boolean)
 
 
 def _rows(value: Any) -> str | int:
@@ -57,27 +56,6 @@ def _rows(value: Any) -> str | int:
         return len(value)
     except TypeError:
         return f"{type(value).__name__} (no rows)"
-
-
-def _column(col: pa.ChunkedArray | pa.Array) -> Any:
-    arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
-    if pa.types.is_dictionary(arr.type):
-        arr = arr.cast(arr.type.value_type)
-    if any(is_type(arr.type) for is_type in _NUMERIC):
-        # Zero-copy when the column has no nulls (Arrow keeps the buffer alive); nulls become NaN.
-        return torch.from_numpy(arr.to_numpy(zero_copy_only=False))
-    if pa.types.is_fixed_size_list(arr.type) and arr.null_count == 0 and any(f(arr.type.value_type) for f in _NUMERIC):
-        # Fixed-length numeric rows (token ids, feature vectors): one [rows, size] tensor.
-        flat = arr.flatten().to_numpy(zero_copy_only=False)
-        return torch.from_numpy(flat).reshape(len(arr), arr.type.list_size)
-    return arr.to_pylist()
-
-
-def micro_batch_dict(table: pa.Table) -> dict[str, Any]:
-    """A micro-batch as a dict of column -> tensor (numeric columns) or list (strings, nested)."""
-    with warnings.catch_warnings():  # Arrow buffers are read-only: torch warns, we never write to them
-        warnings.simplefilter("ignore", UserWarning)
-        return {name: _column(table.column(name)) for name in table.column_names}
 
 
 class BatchedMode:
@@ -148,13 +126,13 @@ class BatchedMode:
                 start = self.layout.micro_batch_start(step=m // k, micro=m % k, rank=self.rank)
                 yield m, start, start + self.layout.batch_size
 
-    def iter_tables(self) -> Iterator[tuple[int, pa.Table]]:
-        """``(micro-batch number, table)`` of this rank's remaining micro-batches in the epoch."""
+    def iter_columns(self) -> Iterator[tuple[int, dict[str, Any]]]:
+        """``(micro-batch number, columns)`` of this rank's remaining micro-batches in the epoch."""
         worker = get_worker_info()
         wid, nworkers = (worker.id, worker.num_workers) if worker is not None else (0, 1)
         mine = self._my_micro_batches(wid, nworkers)
         nxt = next(mine, None)
-        pending: list[pa.Table] = []
+        pending: list[dict[str, Any]] = []
         ws = 0
         windows = epoch_windows(
             self.shard_ids, seed=self.seed, epoch=self.epoch, shuffle=self.shuffle, window=self.window
@@ -170,13 +148,13 @@ class BatchedMode:
                     break  # continues in the next window
                 nxt = next(mine, None)
             if ranges:
-                part = self._take(self._load_window(shards), ranges, ws, wi)
+                part = to_columns(self._take(self._load_window(shards), ranges, ws, wi))  # converted once
                 off = 0
                 for m, a, b, stop in ranges:
-                    pending.append(part.slice(off, b - a))
+                    pending.append(slice_columns(part, off, off + b - a))
                     off += b - a
                     if b == stop:
-                        yield m, pending[0] if len(pending) == 1 else pa.concat_tables(pending)
+                        yield m, concat_columns(pending)
                         pending = []
             ws = we
             if nxt is None:
@@ -193,16 +171,16 @@ class BatchedMode:
         return table.take(pa.array(perm[pos] if perm is not None else pos))
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        for m, table in self.iter_tables():
-            mb = micro_batch_dict(table)
+        for m, cols in self.iter_columns():
+            mb = cols
             if self.transform is not None:
-                mb = self._apply_transform(mb, table, m)
+                mb = self._apply_transform(mb, cols, m)
             self.micro = m + 1
             yield mb
 
-    def _apply_transform(self, mb: dict[str, Any], table: pa.Table, m: int) -> dict[str, Any]:
+    def _apply_transform(self, mb: dict[str, Any], cols: dict[str, Any], m: int) -> dict[str, Any]:
         """``transform(mb)``, checked: a dict of columns of the micro-batch's length, ``shard``/``index`` kept."""
-        where = f"micro-batch {m} of epoch {self.epoch} (shards {sorted(set(table.column('shard').to_pylist()))})"
+        where = f"micro-batch {m} of epoch {self.epoch} (shards {torch.unique(cols['shard']).tolist()})"
         try:
             out = self.transform(mb)
         except Exception as err:  # the user's own error keeps its type (an OOM stays an OOM), told where
@@ -213,7 +191,7 @@ class BatchedMode:
             raise UserError(f"transform returned {type(out).__name__} on {where}, not a dict of columns: return mb")
         if dropped := [c for c in ("shard", "index") if c not in out]:
             raise UserError(f"transform dropped {dropped[0]!r} on {where}: keep it, it names each example's source")
-        n = table.num_rows
+        n = len(cols["shard"])
         for key, value in out.items():
             if not isinstance(key, str):
                 raise UserError(f"transform returned column {brief(key)}: a column name is not a string")
