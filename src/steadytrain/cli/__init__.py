@@ -9,6 +9,7 @@ import click
 from steadytrain._io import one_line
 from steadytrain.cli.data import data
 from steadytrain.cli.env import env
+from steadytrain.cli.nan import demo, nan
 from steadytrain.cli.plan import plan
 from steadytrain.cli.train import config_group, train
 from steadytrain.errors import UserError
@@ -25,6 +26,8 @@ cli.add_command(config_group)
 cli.add_command(plan)
 cli.add_command(env)
 cli.add_command(data)
+cli.add_command(nan)
+cli.add_command(demo)
 
 
 def main(argv: list[str] | None = None) -> int:

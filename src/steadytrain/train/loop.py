@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from steadytrain.accumulate import NonFiniteGradientError
 from steadytrain.errors import UserError
 from steadytrain.train import runfiles
 from steadytrain.train.checkpoint import apply_checkpoint, latest_checkpoint, load_checkpoint, save_checkpoint
@@ -59,8 +60,8 @@ class Job:
     step: int = 0
     epoch: int = 0
     consecutive_skips: int = 0
-    exposure: dict[int, int] = field(default_factory=dict)
-    """Examples seen per shard by this rank (rank 0 also holds the counts from before a resume)."""
+    exposure: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
+    """Examples seen per shard id by this rank, on the host (rank 0 also holds the counts from before a resume)."""
     metrics: MetricsLog | None = None
     elapsed_before: float = 0.0
     lr: float = 0.0
@@ -116,7 +117,8 @@ def _resume(job: Job) -> None:
     torch.set_rng_state(state["rng"])
     job.step, job.epoch = state["step"], state["data"]["epoch"]
     if job.info.is_main:  # the checkpoint holds the global counts: one rank carries them on
-        job.exposure = {int(k): int(v) for k, v in state.get("exposure", {}).items()}
+        for k, v in state.get("exposure", {}).items():
+            runfiles.count_exposure(job, torch.full((int(v),), int(k), dtype=torch.int64))
     job.elapsed_before = float(state.get("elapsed_s", 0.0))
     if job.info.is_main:
         runfiles.truncate_logs(job.run, job.step)
@@ -159,7 +161,10 @@ def _steps(job: Job) -> str | None:
             job.ds.set_epoch(job.epoch)
         resumed = False
         for mb in job.ds:
-            result, loss = _micro_batch(job, mb)
+            try:
+                result, loss = _micro_batch(job, mb)
+            except NonFiniteGradientError:  # nonfinite.policy=raise: every rank decided the same
+                return _raised(job)
             if result is None:
                 continue
             reason = _after_step(job, result, loss)
@@ -169,23 +174,41 @@ def _steps(job: Job) -> str | None:
     return None
 
 
+def _raised(job: Job) -> str:
+    """Record the refused step that ``nonfinite.policy=raise`` stops at; the reason to stop."""
+    job.step += 1
+    event = job.acc.nonfinite_events[-1]
+    job.metrics.add(job.step, torch.tensor(float("nan")), job.lr, event.grad_norm, True)
+    runfiles.record_nonfinite(job, event)
+    runfiles.write_exposure(job)  # a collective: every rank raised at this step
+    return f"non-finite step {job.step} (nonfinite.policy=raise): see {job.run.nonfinite}"
+
+
 def _micro_batch(job: Job, mb: dict[str, Any]) -> tuple[Any, torch.Tensor]:
-    """One forward and backward inside the accumulator; the step's result when it ended a cycle."""
+    """One forward and backward inside the accumulator; the step's result when it ended a cycle.
+
+    The micro-batch's tag carries its shards and example indices (host tensors, from the data) and,
+    when the model returns per-example losses, which of them were non-finite: a device tensor computed
+    from this rank's own losses before the backward (so before any all-reduce), read only if the step
+    is refused (see :func:`steadytrain.diagnose.ledger.event_record`). No host sync here.
+    """
     dev = job.info.device
     batch = {k: v.to(dev, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in mb.items()}
     shard, index = mb["shard"], mb["index"]
-    for s, n in zip(*torch.unique(shard, return_counts=True), strict=True):
-        job.exposure[int(s)] = job.exposure.get(int(s), 0) + int(n)
+    runfiles.count_exposure(job, shard)
     autocast = (
         torch.autocast(dev.type, dtype=torch.bfloat16 if job.cfg.precision == "bf16" else torch.float16)
         if job.cfg.precision != "fp32"
         else contextlib.nullcontext()
     )
     job.lr = job.optimizer.param_groups[0]["lr"]
-    with job.acc.micro_batch(tag={"shard": shard, "index": index}) as m:
+    tag: dict[str, Any] = {"shard": shard, "index": index, "nonfinite": None}
+    with job.acc.micro_batch(tag=tag) as m:
         with autocast:
             out = job.model(batch)
         loss = _mean_loss(out, len(index))
+        if out.dim() == 1:
+            tag["nonfinite"] = ~torch.isfinite(out.detach())
         m.backward(loss)
     job.step_loss = loss.detach() if m.position == 0 else job.step_loss + loss.detach()
     return m.result, job.step_loss / (m.position + 1)
@@ -206,6 +229,9 @@ def _after_step(job: Job, result: Any, loss: torch.Tensor) -> str | None:
     else:
         job.consecutive_skips += 1
         runfiles.record_nonfinite(job, job.acc.nonfinite_events[-1])
+        # Every rank refused this step, so every rank joins this collective: the ledger's denominator
+        # (examples seen per shard) is on disk with each event, and survives a kill.
+        runfiles.write_exposure(job)
     cfg = job.cfg
     if job.step % cfg.run.log_every == 0:
         job.metrics.flush()
@@ -220,7 +246,7 @@ def _after_step(job: Job, result: Any, loss: torch.Tensor) -> str | None:
 
 
 def _checkpoint(job: Job) -> None:
-    exposure = runfiles.global_exposure(job)
+    exposure = runfiles.write_exposure(job)
     extra = {
         "scheduler": job.acc.scheduler.state_dict(),
         "scaler": job.scaler.state_dict() if job.scaler is not None else None,
@@ -240,6 +266,4 @@ def _checkpoint(job: Job) -> None:
         is_main=job.info.is_main,
         keep_last=job.cfg.checkpoint.keep_last,
     )
-    if job.info.is_main:
-        job.run.write_json(job.run.exposure, {str(k): v for k, v in sorted(exposure.items())})
     barrier(job.info)

@@ -9,8 +9,14 @@ example; steadytrain takes the mean and knows which examples were non-finite) or
   cross-entropy averaged per sequence.
 - ``tabular``: an embedding per categorical field of the schema and an MLP over its numeric fields
   standardized with the dataset's statistics; the loss is cross-entropy on an integer label column
-  (or MSE on a float one). A categorical value outside the vocabulary maps to index ``-1``, which the
-  embedding lookup refuses: out-of-vocabulary data fails loudly instead of reading a wrong row.
+  (or MSE on a float one). With ``oov="error"`` (default) a categorical value outside the vocabulary
+  maps to index ``-1``, which the embedding lookup refuses: out-of-vocabulary data fails loudly instead
+  of reading a wrong row. ``oov="bucket"`` maps every such value to one extra row (the usual feature
+  pipeline's out-of-vocabulary bucket). ``target_encoding=True`` adds, per categorical field, the
+  label's mean (per class, for a classification label) among the examples of that category, fitted on
+  the data the vocabulary came from; ``target_smoothing`` blends it with the overall mean. Unsmoothed,
+  the out-of-vocabulary bucket has a count of zero and its encoding is 0/0: a value the vocabulary
+  never saw becomes NaN (the shard-47 scenario of ``steadytrain demo nan``).
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from torch import Tensor, nn
 from steadytrain._io import brief
 from steadytrain.errors import UserError
 
-__all__ = ["TabularModel", "TinyLM", "build_model"]
+__all__ = ["TabularModel", "TargetEncoding", "TinyLM", "build_model"]
 
 _FACTORY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
@@ -76,8 +82,29 @@ class TinyLM(nn.Module):
         return loss.mean(dim=1)  # one loss per sequence
 
 
+class TargetEncoding(nn.Module):
+    """Per category, the label's mean among that category's examples: ``sums[c] / counts[c]``.
+
+    ``sums`` is ``[categories, width]`` (one column per class for a classification label), ``counts``
+    ``[categories]``. With ``smoothing = m > 0`` the encoding is ``(sums + m * prior) / (counts + m)``;
+    with ``m = 0`` a category with no examples (the out-of-vocabulary bucket) encodes as 0/0 = NaN.
+    """
+
+    def __init__(self, sums: Tensor, counts: Tensor, smoothing: float = 0.0) -> None:
+        super().__init__()
+        self.register_buffer("sums", sums.float())
+        self.register_buffer("counts", counts.float())
+        self.smoothing = float(smoothing)
+        total = counts.sum().clamp(min=1)
+        self.register_buffer("prior", sums.float().sum(0) / total)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        m = self.smoothing
+        return (self.sums[idx] + m * self.prior) / (self.counts[idx] + m).unsqueeze(1)
+
+
 class TabularModel(nn.Module):
-    """Embeddings of categorical fields + an MLP over standardized numeric fields."""
+    """Embeddings of categorical fields + an MLP over standardized numeric fields (see the module docstring)."""
 
     def __init__(
         self,
@@ -88,15 +115,32 @@ class TabularModel(nn.Module):
         num_classes: int | None,
         hidden: int = 64,
         embed_dim: int = 8,
+        oov: str = "error",
+        target_stats: dict[str, tuple[Tensor, Tensor]] | None = None,
+        target_smoothing: float = 0.0,
     ) -> None:
         super().__init__()
-        self.numeric, self.label, self.num_classes = list(numeric), label, num_classes
+        if oov not in ("error", "bucket"):
+            raise UserError(f"model.oov={brief(oov)}: use error (refuse unknown categories) or bucket")
+        self.numeric, self.label, self.num_classes, self.oov = list(numeric), label, num_classes, oov
         self.register_buffer("mean", torch.tensor([m for m, _ in numeric.values()], dtype=torch.float32))
         self.register_buffer("std", torch.tensor([s for _, s in numeric.values()], dtype=torch.float32))
         self.vocab = {name: {v: i for i, v in enumerate(values)} for name, values in categorical.items()}
-        self.embed = nn.ModuleDict({name: nn.Embedding(len(v), embed_dim) for name, v in categorical.items()})
+        rows = {name: len(v) + (oov == "bucket") for name, v in categorical.items()}
+        self.embed = nn.ModuleDict({name: nn.Embedding(n, embed_dim) for name, n in rows.items()})
+        self.target = nn.ModuleDict(
+            {name: TargetEncoding(*target_stats[name], target_smoothing) for name in categorical}
+            if target_stats is not None
+            else {}
+        )
         width = len(self.numeric) + embed_dim * len(self.embed)
+        width += sum(int(enc.sums.shape[1]) for enc in self.target.values())
         self.mlp = nn.Sequential(nn.Linear(width, hidden), nn.ReLU(), nn.Linear(hidden, num_classes or 1))
+
+    def _indices(self, name: str, values: list[Any], device: torch.device) -> Tensor:
+        vocab = self.vocab[name]
+        missing = len(vocab) if self.oov == "bucket" else -1
+        return torch.tensor([vocab.get(v, missing) for v in values], dtype=torch.long, device=device)
 
     def forward(self, batch: dict[str, Any]) -> Tensor:
         parts = []
@@ -104,9 +148,10 @@ class TabularModel(nn.Module):
             x = torch.stack([batch[n].float() for n in self.numeric], dim=1)
             parts.append((x - self.mean) / self.std)
         for name, emb in self.embed.items():
-            vocab = self.vocab[name]
-            idx = torch.tensor([vocab.get(v, -1) for v in batch[name]], dtype=torch.long)
+            idx = self._indices(name, batch[name], self.mean.device)
             parts.append(emb(idx))
+            if name in self.target:
+                parts.append(self.target[name](idx))
         out = self.mlp(torch.cat(parts, dim=1))
         y = batch[self.label]
         if self.num_classes:
@@ -128,8 +173,19 @@ def _import_factory(spec: str):
     return factory
 
 
-def tabular_from_dataset(schema: Any, stats: dict[str, tuple[float, float]], label: str, **kwargs: Any) -> TabularModel:
-    """A :class:`TabularModel` for a schema: categorical fields embedded, numeric ones standardized."""
+def tabular_from_dataset(
+    schema: Any,
+    stats: dict[str, tuple[float, float]],
+    label: str,
+    target_encoding: bool = False,
+    category_counts: Any = None,
+    **kwargs: Any,
+) -> TabularModel:
+    """A :class:`TabularModel` for a schema: categorical fields embedded, numeric ones standardized.
+
+    ``category_counts(categorical, label, num_classes, oov_bucket)`` gives ``{field: (sums, counts)}``
+    for ``target_encoding`` (fitted on the shards the vocabulary came from).
+    """
     if label not in schema.fields:
         raise UserError(f"model.label={label!r} is not a field of the schema ({', '.join(schema.fields)})")
     numeric = {n: stats[n] for n, f in schema.fields.items() if n != label and f.vocabulary is None and n in stats}
@@ -137,6 +193,11 @@ def tabular_from_dataset(schema: Any, stats: dict[str, tuple[float, float]], lab
     spec = schema.fields[label]
     is_int = spec.dtype.startswith(("int", "uint"))
     num_classes = int(spec.max) + 1 if is_int and spec.max is not None and math.isfinite(spec.max) else None
+    if target_encoding:
+        if category_counts is None:
+            raise UserError("model.target_encoding needs the dataset's category statistics (built-in data only)")
+        bucket = kwargs.get("oov", "error") == "bucket"
+        kwargs["target_stats"] = category_counts(categorical, label, num_classes, bucket)
     return TabularModel(numeric=numeric, categorical=categorical, label=label, num_classes=num_classes, **kwargs)
 
 
@@ -147,7 +208,12 @@ def build_model(name: str, kwargs: dict[str, Any], *, context: dict[str, Any]) -
         if name == "tiny-lm":
             return TinyLM(**{"seq_len": context.get("seq_len", 128), **kwargs})
         if name == "tabular":
-            return tabular_from_dataset(context["schema"], context["stats"], **{"label": "label", **kwargs})
+            return tabular_from_dataset(
+                context["schema"],
+                context["stats"],
+                category_counts=context.get("category_counts"),
+                **{"label": "label", **kwargs},
+            )
         model = _import_factory(name)(**kwargs)
     except TypeError as err:
         raise UserError(f"model {name!r}: {err} (check the model section's keys)") from None

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-from steadytrain._io import append_jsonl, write_text_atomic
+from steadytrain._io import write_text_atomic
 from steadytrain.errors import UserError
 from steadytrain.train.distributed import DistInfo, barrier
 from steadytrain.train.rundir import RunDir, claim_run_dir, open_run_dir
@@ -133,30 +132,51 @@ def log_start(job: Job) -> None:
 
 
 def record_nonfinite(job: Job, event: Any) -> None:
-    """Append this rank's record of a refused step: the shards and examples of every micro-batch in play."""
-    micro = [{"shard": t["shard"].tolist(), "index": t["index"].tolist()} for t in event.tags]
-    bad = set(event.nonfinite_micro_batches)
-    record = {
-        "step": job.step,
-        "rank": job.info.rank,
-        "reason": event.reason,
-        "grad_norm": event.grad_norm if math.isfinite(event.grad_norm) else str(event.grad_norm),
-        "shards": sorted({s for mb in micro for s in mb["shard"]}),
-        "micro_batches": [{**mb, "finite": i not in bad} for i, mb in enumerate(micro)],
-    }
-    append_jsonl(job.run.nonfinite, record)
+    """Append this rank's record of a refused step to the ledger (one write and fsync: survives a kill)."""
+    from steadytrain.diagnose.ledger import append_event
+
+    append_event(job.run.nonfinite, event, job.step)
     log.warning("step %d skipped on rank %d: %s", job.step, job.info.rank, event.message(job.step))
+
+
+def count_exposure(job: Job, shard: torch.Tensor) -> None:
+    """Add a micro-batch's examples to this rank's per-shard counts (host tensors: no device sync)."""
+    counts = torch.bincount(shard.reshape(-1).to("cpu", torch.int64))
+    if len(counts) > len(job.exposure):
+        job.exposure = torch.cat([job.exposure, torch.zeros(len(counts) - len(job.exposure), dtype=torch.int64)])
+    job.exposure[: len(counts)] += counts
 
 
 def global_exposure(job: Job) -> dict[int, int]:
     """Examples seen per shard over all ranks (a collective: every rank calls it)."""
-    size = max(job.ds.shard_ids, default=-1) + 1
+    size = max(max(job.ds.shard_ids, default=-1) + 1, len(job.exposure))
     counts = torch.zeros(size, dtype=torch.int64)
-    for s, n in job.exposure.items():
-        counts[s] += n
+    counts[: len(job.exposure)] = job.exposure
     if job.info.backend is not None:
-        dist.all_reduce(counts)
+        on = counts.to(job.info.device)  # NCCL reduces device tensors only
+        dist.all_reduce(on)
+        counts = on.cpu()
     return {s: int(n) for s, n in enumerate(counts.tolist()) if n}
+
+
+def write_exposure(job: Job) -> dict[int, int]:
+    """:func:`global_exposure`, written by rank 0 to ``exposure.json`` (a collective)."""
+    exposure = global_exposure(job)
+    if job.info.is_main:
+        job.run.write_json(job.run.exposure, {str(k): v for k, v in sorted(exposure.items())})
+    return exposure
+
+
+def _nonfinite_report(job: Job) -> str | None:
+    """Rank 0: the diagnosis of a run that refused steps, written beside the ledger; its sentence."""
+    from steadytrain.diagnose import report
+
+    if not job.acc.skipped_steps or not job.run.nonfinite.exists():
+        return None
+    rep = report(job.run.path)
+    job.run.write_json(job.run.path / "nonfinite_report.json", rep.to_dict())
+    log.warning("non-finite steps: %s", rep.sentence)
+    return rep.sentence
 
 
 def finish(job: Job, stopped: str | None) -> dict[str, Any]:
@@ -182,6 +202,8 @@ def finish(job: Job, stopped: str | None) -> dict[str, Any]:
         ]
         if stopped:
             lines.append(f"- stopped early: {stopped}")
+        if sentence := _nonfinite_report(job):
+            lines.append(f"- non-finite steps: {sentence} (nonfinite_report.json)")
         write_text_atomic(job.run.summary, "\n".join(lines) + "\n")
         log.info(
             "done: %d steps (%d skipped), final loss %s, %.1f s; run directory %s",

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from steadytrain.accumulate import GradientAccumulator
-from steadytrain.data import Schema, ShardedDataset, infer_schema, open_dataset
+from steadytrain.data import Schema, ShardedDataset, healthy_shards, infer_schema, open_dataset
 from steadytrain.errors import UserError
 from steadytrain.optim import LAMB, LARS, exclude_bias_and_norm
 from steadytrain.schedule import BatchPlan, warmup_schedule
@@ -140,12 +140,48 @@ def numeric_stats(path: Path, schema: Schema) -> dict[str, tuple[float, float]]:
     return out
 
 
+def category_counts(
+    path: Path, shards: list[int], categorical: dict[str, list[Any]], label: str, num_classes: int | None, bucket: bool
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Per categorical field: label sums ``[V (+1 bucket), classes or 1]`` and counts over ``shards``.
+
+    Values outside the vocabulary are not counted: the bucket row (last, when ``bucket``) stays at 0.
+    """
+    ds = open_dataset(path)
+    width = num_classes or 1
+    out = {}
+    for name, vocab in categorical.items():
+        pos = {v: i for i, v in enumerate(vocab)}
+        sums = torch.zeros(len(vocab) + bucket, width, dtype=torch.float64)
+        counts = torch.zeros(len(vocab) + bucket, dtype=torch.float64)
+        for sid in shards:
+            table = ds.read_shard(sid, columns=[name, label])
+            idx = torch.tensor([pos.get(v, -1) for v in table[name].to_pylist()], dtype=torch.long)
+            y = torch.tensor(table[label].to_numpy(zero_copy_only=False), dtype=torch.float64)
+            keep = idx >= 0
+            idx, y = idx[keep], y[keep]
+            counts.index_add_(0, idx, torch.ones_like(y))
+            if num_classes:
+                sums.index_put_((idx, y.long()), torch.ones_like(y), accumulate=True)
+            else:
+                sums[:, 0].index_add_(0, idx, y)
+        out[name] = (sums, counts)
+    return out
+
+
 def model_context(cfg: TrainConfig, path: Path) -> dict[str, Any]:
-    """What built-in models need from the data: ``seq_len`` (tiny-lm), schema and statistics (tabular)."""
+    """What built-in models need from the data: ``seq_len`` (tiny-lm), schema and statistics (tabular).
+
+    The tabular model's vocabulary is the given schema's, or one inferred from the shards whose
+    provenance matches the majority (the same shards its target-encoding statistics are fitted on).
+    """
     ctx: dict[str, Any] = {"seq_len": cfg.data.seq_len}
     if cfg.model.name == "tabular":
-        schema = load_schema(cfg) or infer_schema(open_dataset(path))
+        ds = open_dataset(path)
+        healthy = healthy_shards(ds)
+        schema = load_schema(cfg) or infer_schema(ds, healthy)
         ctx.update(schema=schema, stats=numeric_stats(path, schema))
+        ctx["category_counts"] = lambda cat, label, k, bucket: category_counts(path, healthy, cat, label, k, bucket)
     return ctx
 
 

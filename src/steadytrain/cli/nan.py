@@ -1,0 +1,117 @@
+"""``steadytrain nan report|hunt`` and ``steadytrain demo nan``: parse, call the diagnose library, print."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+
+
+def _json(data: Any) -> None:
+    click.echo(json.dumps(data, indent=2, allow_nan=False, default=str))
+
+
+def _print_report(rep: Any, limit: int = 5) -> None:
+    click.echo(rep.sentence)
+    rows = [s for s in rep.shards if s.events][:limit]
+    for s in rows:
+        rate = f"{s.rate:.3g}" if s.rate is not None else "n/a"
+        click.echo(
+            f"  shard {s.shard}: {s.events} step(s), {s.nonfinite} non-finite losses "
+            f"(chance: {s.expected:g}), {s.exposures} examples seen, rate {rate}, p = {s.p_value:.2g}"
+        )
+    if rep.ranks:
+        click.echo("  local non-finite losses by rank: " + ", ".join(f"rank {r}: {n}" for r, n in rep.ranks.items()))
+
+
+def _print_hunt(h: Any) -> None:
+    click.echo(h.sentence)
+    click.echo(f"  checkpoint: {h.checkpoint} (step {h.checkpoint_step})")
+    if h.note:
+        click.echo(f"  note: {h.note}")
+    if h.step is not None:
+        click.echo(f"  step {h.step} {'reproduces' if h.reproduced else 'does not reproduce'} on one process")
+    click.echo(f"  first module: {h.first_module}  stage: {h.stage}")
+    click.echo(f"  examples (shard {h.shard}): {h.examples}")
+    for f in h.fields[:10]:
+        click.echo(f"  example {f['example']}: {f['field']} = {f['value']!r} ({f['kind']})")
+    if len(h.fields) > 10:
+        click.echo(f"  ... {len(h.fields) - 10} more field violations (--json lists all)")
+    for key, (mine, major) in h.provenance_diff.items():
+        click.echo(f"  provenance {key}: {mine!r} (majority: {major!r})")
+
+
+@click.group("nan")
+def nan() -> None:
+    """Diagnose non-finite (NaN/inf) steps of a run."""
+
+
+@nan.command("report")
+@click.argument("run", type=click.Path(file_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def report_cmd(run: str, as_json: bool) -> None:
+    """Attribute RUN's non-finite steps to shards: shard-selective (data first) or spread (LR, clipping, precision)."""
+    from steadytrain.diagnose import report
+
+    rep = report(Path(run))
+    _json(rep.to_dict()) if as_json else _print_report(rep)
+
+
+@nan.command("hunt")
+@click.argument("run", type=click.Path(file_okay=False))
+@click.option("--shard", type=click.IntRange(0), default=None, help="The shard to replay (from `nan report`).")
+@click.option("--checkpoint", type=click.Path(dir_okay=False), default=None, help="Weights to use.")
+@click.option("--step", type=click.IntRange(1), default=None, help="Replay this optimizer step's global batch.")
+@click.option("--json", "as_json", is_flag=True, help="Print the findings as JSON.")
+def hunt_cmd(run: str, shard: int | None, checkpoint: str | None, step: int | None, as_json: bool) -> None:
+    """Replay one shard (or one step) of RUN in this process: module, examples, fields, provenance."""
+    from steadytrain.diagnose import hunt
+
+    found = hunt(Path(run), shard, checkpoint=checkpoint, step=step)
+    _json(found.to_dict()) if as_json else _print_hunt(found)
+
+
+@click.group("demo")
+def demo() -> None:
+    """Demonstrations that run end to end on this machine."""
+
+
+@demo.command("nan")
+@click.option(
+    "--dir", "root", type=click.Path(file_okay=False), default=None, help="Where to write (default: a temp dir)."
+)
+@click.option(
+    "--variant",
+    type=click.Choice(["shard", "lr", "both"]),
+    default="both",
+    show_default=True,
+    help="shard: shard 47 from a later pipeline; lr: clean data, learning rate far too high.",
+)
+@click.option("--shards", type=click.IntRange(16, 10_000), default=200, show_default=True, help="Shards to write.")
+def demo_nan(root: str | None, variant: str, shards: int) -> None:
+    """The seed's scenario: a NaN from shard 47's new category, found by report and hunt (2 ranks, gloo)."""
+    from steadytrain.diagnose.demo import run_demo
+
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    logger = logging.getLogger("steadytrain.diagnose")
+    logger.handlers[:], logger.propagate = [handler], False
+    logger.setLevel(logging.INFO)
+    where = Path(root) if root else Path(tempfile.mkdtemp(prefix="steadytrain-demo-nan-"))
+    variants = ("shard", "lr") if variant == "both" else (variant,)
+    t0 = time.perf_counter()
+    for result in run_demo(where, variants=variants, shards=shards):
+        ended = "finished" if result.returncode == 0 else f"stopped early (exit {result.returncode})"
+        click.echo(f"\n== {result.variant}: training {ended}; run directory {result.run_dir}")
+        click.echo("$ steadytrain nan report RUN")
+        _print_report(result.report)
+        if result.hunt is not None:
+            click.echo(f"$ steadytrain nan hunt RUN --shard {result.hunt.shard}")
+            _print_hunt(result.hunt)
+    click.echo(f"\ndemo done in {time.perf_counter() - t0:.0f} s; files under {where}")

@@ -1,0 +1,228 @@
+"""Shard attribution of a run's non-finite steps, and a verdict: look at the data first, or at the optimizer.
+
+The evidence is the ledger (see :mod:`.ledger`): for each refused step, every rank's micro-batches
+(shard and index of each example) and which examples had a non-finite *local* loss. The question is
+whether those examples come from some shards far more often than chance allows.
+
+The test. Over the refused steps whose non-finite losses were localized (some rank saw one), let
+``n`` be the non-finite example losses and ``k_s`` those from shard ``s``; let ``q_s`` be shard
+``s``'s share of all the examples *in play* in those same steps (every rank's micro-batches). If the
+non-finite values had nothing to do with the data, each would come from shard ``s`` with probability
+``q_s``: ``k_s ~ Binomial(n, q_s)``. A shard is a suspect when its upper tail ``P(X >= k_s)``,
+Bonferroni-corrected over the shards tested, is below :data:`ALPHA`. Conditioning on what was in
+play (rather than on the run's whole exposure) keeps a learning-rate blow-up late in training, which
+turns every example of those steps non-finite, from incriminating whichever shards happened to be
+read then. The verdict is ``shard-selective`` when the suspects are involved in at least half of the
+refused steps, ``spread`` when there were refused steps otherwise, ``none`` without any. When no
+rank saw a non-finite local loss (only the gradients were), every example in play counts and ``q_s``
+is the shard's share of the run's exposure instead.
+
+References:
+    Bonferroni correction of multiple binomial tests; the seed's "suspect the data first" discipline.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from steadytrain.accumulate import NonFiniteEvent
+from steadytrain.diagnose.ledger import read_exposure, read_ledger
+from steadytrain.diagnose.stats import binomial_sf
+from steadytrain.errors import UserError
+
+__all__ = ["ALPHA", "NonFiniteReport", "ShardStats", "report"]
+
+ALPHA = 1e-3
+"""Family-wise significance level of the shard test (Bonferroni over the shards tested)."""
+
+
+@dataclass
+class ShardStats:
+    """One shard's share of the trouble: refused steps involving it, against examples seen from it."""
+
+    shard: int
+    events: int
+    """Refused steps in which one of its examples had a non-finite loss (or, unlocalized, was in play)."""
+    exposures: int | None
+    """Examples seen from it over the run (all ranks); None when the run wrote no exposure yet."""
+    rate: float | None
+    """``events / exposures``."""
+    nonfinite: int = 0
+    """Non-finite example losses from it (``k_s``)."""
+    expected: float = 0.0
+    """``n * q_s``: what chance would give."""
+    p_value: float = 1.0
+    """``P(X >= k_s)`` under ``Binomial(n, q_s)``, uncorrected."""
+
+
+@dataclass
+class NonFiniteReport:
+    """What :func:`report` found. ``to_dict`` has the contract keys ``verdict``, ``suspect_shards``,
+    ``shards`` (``{shard, events, exposures, rate}``), ``ranks`` (refused steps in which the rank's own
+    loss was non-finite) and ``sentence``."""
+
+    verdict: str
+    suspect_shards: list[int]
+    shards: list[ShardStats]
+    ranks: dict[int, int]
+    sentence: str
+    steps: list[int] = field(default_factory=list)
+    """The refused optimizer steps."""
+    localized: bool = True
+    """Whether some rank saw a non-finite local loss (else only the gradients were non-finite)."""
+    threshold: float = ALPHA
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "verdict": self.verdict,
+            "suspect_shards": list(self.suspect_shards),
+            "shards": [asdict(s) for s in self.shards],
+            "ranks": {str(r): n for r, n in sorted(self.ranks.items())},
+            "sentence": self.sentence,
+            "steps": list(self.steps),
+            "localized": self.localized,
+            "threshold": self.threshold,
+        }
+
+
+@dataclass
+class _Step:
+    in_play: Counter = field(default_factory=Counter)
+    flagged: Counter = field(default_factory=Counter)
+    bad_ranks: set[int] = field(default_factory=set)
+
+
+def _flagged(event: NonFiniteEvent, tag: dict[str, Any], i: int) -> list[int]:
+    """Shards of the examples of micro-batch ``i`` whose loss was non-finite on this rank."""
+    if tag.get("nonfinite") is not None:
+        return [tag["shard"][j] for j in tag["nonfinite"]]
+    return list(tag["shard"]) if i in event.nonfinite_micro_batches else []
+
+
+def _by_step(events: list[tuple[int, NonFiniteEvent]]) -> dict[int, _Step]:
+    steps: dict[int, _Step] = {}
+    for step, event in events:
+        st = steps.setdefault(step, _Step())
+        for i, tag in enumerate(event.tags):
+            st.in_play.update(tag["shard"])
+            bad = _flagged(event, tag, i)
+            st.flagged.update(bad)
+            if bad or i in event.nonfinite_micro_batches:
+                st.bad_ranks.add(event.rank)
+    return steps
+
+
+def _test(steps: dict[int, _Step], exposure: dict[int, int] | None) -> tuple[Counter, Counter, bool]:
+    """``(k per shard, n * q per shard as weights, localized)`` of the test described in the module docstring."""
+    localized = any(st.flagged for st in steps.values())
+    k, base = Counter(), Counter()
+    for st in steps.values():
+        if localized and not st.flagged:
+            continue  # a step only the gradients saw: no local evidence to weigh
+        k.update(st.flagged if localized else st.in_play)
+        base.update(st.in_play)
+    if not localized and exposure:
+        base = Counter(exposure)
+    return k, base, localized
+
+
+def _shard_stats(steps: dict[int, _Step], exposure: dict[int, int] | None) -> tuple[list[ShardStats], bool]:
+    k, base, localized = _test(steps, exposure)
+    n, total = sum(k.values()), sum(base.values())
+    events = Counter()
+    for st in steps.values():
+        events.update(set(st.flagged) if st.flagged else set(st.in_play))
+    out = []
+    for s in sorted(set(events) | set(exposure or {}) | set(base)):
+        q = base[s] / total if total else 0.0
+        seen = exposure.get(s, 0) if exposure is not None else None
+        p = binomial_sf(min(k[s], n), n, min(q, 1.0)) if n else 1.0
+        out.append(ShardStats(s, events[s], seen, events[s] / seen if seen else None, k[s], round(n * q, 3), p))
+    out.sort(key=lambda st: (st.p_value, -st.events, st.shard))
+    return out, localized
+
+
+def _pct(part: int, whole: int) -> str:
+    share = part / whole if whole else 0.0
+    return f"{share:.1%}" if share >= 0.001 else f"{100 * share:.2g}%"
+
+
+def _covered(steps: dict[int, _Step], shards: set[int]) -> int:
+    """Refused steps in which one of ``shards`` is implicated (flagged, or in play when nothing was)."""
+    return sum(1 for st in steps.values() if set(st.flagged or st.in_play) & shards)
+
+
+def _sentence(verdict: str, suspects: list[ShardStats], stats: list[ShardStats], steps: dict, exp: Any) -> str:
+    nsteps = len(steps)
+    if verdict == "none":
+        return "none: the ledger records no non-finite step"
+    if verdict == "spread":
+        best = stats[0] if stats else None
+        tail = f"smallest tail p = {best.p_value:.2g} (shard {best.shard})" if best else "no shard data"
+        return (
+            f"spread: {nsteps} non-finite step(s) over {len({s.shard for s in stats if s.events})} shard(s), "
+            f"no shard beyond chance ({tail}; threshold {ALPHA:g}/{max(len(stats), 1)} shards): "
+            "look at the learning rate, clipping and precision first"
+        )
+    names = ("shard " if len(suspects) == 1 else "shards ") + ", ".join(str(s.shard) for s in suspects)
+    involved = _covered(steps, {s.shard for s in suspects})
+    seen = sum(s.exposures or 0 for s in suspects)
+    share = f" ({_pct(seen, sum(exp.values()))} of examples seen)" if exp else " (exposure not recorded yet)"
+    k = sum(s.nonfinite for s in suspects)
+    expected = sum(s.expected for s in suspects)
+    p = min(s.p_value for s in suspects)
+    return (
+        f"shard-selective: {involved} of {nsteps} non-finite steps involve {names}{share}; "
+        f"{k} non-finite example losses came from it where its share of the batches in play predicts {expected:.1f} "
+        f"(binomial tail p = {p:.2g}, threshold {ALPHA:g}/{len(stats)} shards); inspect its data first "
+        f"(steadytrain nan hunt RUN --shard {suspects[0].shard})"
+    )
+
+
+def report(run_dir: str | Path) -> NonFiniteReport:
+    """Attribute a run's non-finite steps to shards and give a verdict (see the module docstring).
+
+    Args:
+        run_dir: a run directory written by ``steadytrain train`` (or any directory holding a
+            ``nonfinite.jsonl`` ledger and, optionally, ``exposure.json``).
+
+    Returns:
+        The verdict (``shard-selective``, ``spread`` or ``none``), the suspects, per-shard numbers,
+        per-rank local counts and one sentence with the numbers.
+
+    Raises:
+        UserError: no such directory, or a malformed ledger or exposure file.
+
+    Example:
+        >>> import tempfile
+        >>> report(tempfile.mkdtemp()).verdict
+        'none'
+    """
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise UserError(f"{run_dir}: no such run directory")
+    events = read_ledger(run_dir)
+    exposure = read_exposure(run_dir)
+    steps = _by_step(events)
+    ranks = {r: 0 for r in sorted({e.rank for _, e in events})}
+    for st in steps.values():
+        for r in st.bad_ranks:
+            ranks[r] += 1
+    stats, localized = _shard_stats(steps, exposure)
+    cut = ALPHA / max(len(stats), 1)
+    suspects = [s for s in stats if s.p_value < cut and s.nonfinite > s.expected]
+    if not steps:
+        verdict = "none"
+    elif suspects and _covered(steps, {s.shard for s in suspects}) * 2 >= len(steps):
+        verdict = "shard-selective"
+    else:
+        verdict = "spread"
+    suspects = suspects if verdict == "shard-selective" else []
+    sentence = _sentence(verdict, suspects, stats, steps, exposure)
+    stats.sort(key=lambda st: (-st.events, st.shard))
+    return NonFiniteReport(
+        verdict, [s.shard for s in suspects], stats, ranks, sentence, sorted(steps), localized, ALPHA
+    )
