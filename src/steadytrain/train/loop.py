@@ -66,13 +66,22 @@ class Job:
     elapsed_before: float = 0.0
     lr: float = 0.0
     step_loss: Any = None
+    stop_after: int | None = None
+    """Stop after this many optimizer steps, the schedule unchanged (``repro`` re-runs a run's first steps)."""
 
 
-def train(cfg: TrainConfig, *, run_dir: Path | None = None, resume: Path | None = None) -> dict[str, Any]:
-    """Run the job ``cfg`` describes (or continue ``resume``); returns the summary's numbers."""
+def train(
+    cfg: TrainConfig, *, run_dir: Path | None = None, resume: Path | None = None, stop_after: int | None = None
+) -> dict[str, Any]:
+    """Run the job ``cfg`` describes (or continue ``resume``); returns the summary's numbers.
+
+    ``stop_after`` ends the run after that many optimizer steps while the LR schedule still spans the
+    planned total, so the steps taken are exactly the first steps of the full run.
+    """
     info = init_distributed(cfg.distributed.backend)
     try:
         job = _build(cfg, info, run_dir, resume)
+        job.stop_after = stop_after
         return _run(job)
     finally:
         teardown(info)
@@ -117,8 +126,10 @@ def _resume(job: Job) -> None:
     torch.set_rng_state(state["rng"])
     job.step, job.epoch = state["step"], state["data"]["epoch"]
     if job.info.is_main:  # the checkpoint holds the global counts: one rank carries them on
-        for k, v in state.get("exposure", {}).items():
-            runfiles.count_exposure(job, torch.full((int(v),), int(k), dtype=torch.int64))
+        saved = {int(k): int(v) for k, v in state.get("exposure", {}).items()}
+        job.exposure = torch.zeros(max(saved, default=-1) + 1, dtype=torch.int64)
+        for shard, count in saved.items():
+            job.exposure[shard] = count
     job.elapsed_before = float(state.get("elapsed_s", 0.0))
     if job.info.is_main:
         runfiles.truncate_logs(job.run, job.step)
@@ -156,6 +167,8 @@ def _run(job: Job) -> dict[str, Any]:
 def _steps(job: Job) -> str | None:
     """Optimizer steps until the plan's total; returns why it stopped early, or None."""
     total, resumed = job.plan.total_steps, job.step > 0
+    if job.stop_after is not None:
+        total = min(total, job.stop_after)
     while job.step < total:
         if not resumed:
             job.ds.set_epoch(job.epoch)
