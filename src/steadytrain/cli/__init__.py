@@ -11,6 +11,7 @@ from steadytrain.cli.data import data
 from steadytrain.cli.env import env
 from steadytrain.cli.nan import demo, nan
 from steadytrain.cli.plan import plan
+from steadytrain.cli.runs import compare, report, repro, sweep
 from steadytrain.cli.train import config_group, train
 from steadytrain.errors import UserError
 
@@ -28,6 +29,10 @@ cli.add_command(env)
 cli.add_command(data)
 cli.add_command(nan)
 cli.add_command(demo)
+cli.add_command(report)
+cli.add_command(compare)
+cli.add_command(repro)
+cli.add_command(sweep)
 
 
 def main(argv: list[str] | None = None) -> int:

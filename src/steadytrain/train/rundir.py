@@ -1,9 +1,10 @@
 """The run directory: what a run leaves behind, and the rule that one is never overwritten.
 
 ``runs/<name>/`` holds ``config.yaml`` (resolved), ``plan.json`` (the batch plan's numbers),
-``env.json`` (rank 0's manifest; ``env.ranks.json`` when ranks differ), ``metrics.jsonl`` (one line
+``env.json`` (rank 0's manifest; ``env.ranks.json`` when ranks differ), ``data.json`` (the data's
+fingerprint and provenance), ``metrics.jsonl`` (one line
 per optimizer step), ``nonfinite.jsonl`` (one line per rank per refused step), ``exposure.json``
-(examples seen per shard), ``checkpoints/`` and ``summary.md``.
+(examples seen per shard), ``checkpoints/``, ``plots/`` and ``summary.md``.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ class RunDir:
     metrics = property(lambda self: self.path / "metrics.jsonl")
     nonfinite = property(lambda self: self.path / "nonfinite.jsonl")
     exposure = property(lambda self: self.path / "exposure.json")
+    data = property(lambda self: self.path / "data.json")
     checkpoints = property(lambda self: self.path / "checkpoints")
     summary = property(lambda self: self.path / "summary.md")
 

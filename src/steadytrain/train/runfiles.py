@@ -52,10 +52,29 @@ def prepare(
             run = claim_run_dir(path)
             run.write_config(cfg.to_dict())
             run.write_json(run.plan, {**plan.to_dict(), "data": str(data)})
+            run.write_json(run.data, describe_data(data))
         except UserError as err:
             error = str(err)
     agree(info, error)
     return RunDir(path)
+
+
+def describe_data(path: Path, max_odd: int = 100) -> dict[str, Any]:
+    """What a run trains on, for ``compare`` and ``repro``: fingerprint, size, the majority provenance
+    and the shards whose provenance differs from it (at most ``max_odd``; reads the index only)."""
+    from steadytrain.data import majority_provenance, open_dataset, provenance_outliers
+
+    ds = open_dataset(path)
+    odd = provenance_outliers(ds)
+    return {
+        "path": str(path),
+        "fingerprint": ds.fingerprint(),
+        "shards": len(ds.shards),
+        "records": ds.num_records,
+        "provenance": majority_provenance(ds),
+        "outliers": {str(k): {f: list(v) for f, v in d.items()} for k, d in sorted(odd.items())[:max_odd]},
+        "outliers_total": len(odd),
+    }
 
 
 def check_environment(cfg: TrainConfig, info: DistInfo) -> Any:
@@ -179,6 +198,17 @@ def _nonfinite_report(job: Job) -> str | None:
     return rep.sentence
 
 
+def _report(job: Job, stopped: str | None) -> None:
+    """Rank 0: plots and the full ``summary.md`` (:func:`steadytrain.runs.report`); a failure only warns,
+    leaving the short summary above in place: a picture is never worth losing a run over."""
+    try:
+        from steadytrain.runs.report import report
+
+        report(job.run.path, stopped=stopped)
+    except Exception as err:
+        log.warning("%s: the report (plots, summary.md) was not written: %s: %s", job.run.path, type(err).__name__, err)
+
+
 def finish(job: Job, stopped: str | None) -> dict[str, Any]:
     """Write ``summary.md``; log and return the run's numbers."""
     last = job.metrics.last if job.metrics else {}
@@ -205,6 +235,7 @@ def finish(job: Job, stopped: str | None) -> dict[str, Any]:
         if sentence := _nonfinite_report(job):
             lines.append(f"- non-finite steps: {sentence} (nonfinite_report.json)")
         write_text_atomic(job.run.summary, "\n".join(lines) + "\n")
+        _report(job, stopped)
         log.info(
             "done: %d steps (%d skipped), final loss %s, %.1f s; run directory %s",
             job.step,

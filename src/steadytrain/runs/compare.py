@@ -1,0 +1,176 @@
+"""``steadytrain compare RUN_A RUN_B``: why two runs differ, in the order a person should look.
+
+Config (the keys that differ) -> data (fingerprint, shard provenance) -> environment by scope
+(image, host, code, settings: :func:`steadytrain.env.diff`) -> metrics (the first optimizer step
+whose losses differ, and by how much), summed up in one sentence, e.g. "same image, code, config
+and data; host differs (nvidia_driver 535.104.05 vs 550.90.07); losses identical until step 812,
+then differ by up to 3e-07 relative".
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from steadytrain._io import one_line
+from steadytrain.env import SCOPES, diff
+from steadytrain.env.compare import IDENTITY
+from steadytrain.runs.record import RunRecord, flatten, load_run, shown
+
+__all__ = ["Comparison", "compare", "config_diff", "data_diff", "data_record", "env_diff", "loss_divergence"]
+
+CONFIG_IDENTITY = frozenset({"run.name", "run.dir"})
+"""Config keys that name a run rather than change it: not compared."""
+
+
+@dataclass
+class Comparison:
+    """The answer to "why do these two runs differ"; :meth:`to_dict` is ``compare --json``."""
+
+    sentence: str
+    config: dict[str, list[Any]]
+    data: dict[str, Any]
+    env: dict[str, list[dict[str, Any]] | None]
+    first_divergent_step: int | None
+    max_rel_diff: float | None
+    steps: list[int]
+    plot: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def config_diff(a: dict[str, Any], b: dict[str, Any]) -> dict[str, list[Any]]:
+    """Every config key whose value differs: ``{"batch.base_lr": [a, b]}`` (run name and dir aside).
+
+    Example:
+        >>> config_diff({"batch": {"base_lr": 0.01}, "run": {"name": "x"}}, {"batch": {"base_lr": 0.02}})
+        {'batch.base_lr': [0.01, 0.02]}
+    """
+    fa, fb = flatten(a), flatten(b)
+    keys = sorted((fa.keys() | fb.keys()) - CONFIG_IDENTITY)
+    return {k: [fa.get(k), fb.get(k)] for k in keys if fa.get(k) != fb.get(k)}
+
+
+def data_record(rec: RunRecord) -> dict[str, Any] | None:
+    """The run's ``data.json``; for an older run, the dataset its plan names as it is now (if it exists)."""
+    if rec.data is not None:
+        return rec.data
+    path = rec.plan.get("data")
+    if not path or not Path(path, "index.json").exists():
+        return None
+    from steadytrain.train.runfiles import describe_data
+
+    return {**describe_data(Path(path)), "read_now": True}
+
+
+def data_diff(a: dict[str, Any] | None, b: dict[str, Any] | None) -> dict[str, Any]:
+    """Fingerprints, shard counts, majority provenance and odd shards of two data records."""
+    if a is None or b is None:
+        return {"same": None, "note": "no data record for " + " and ".join(n for n, r in (("A", a), ("B", b)) if not r)}
+    pa, pb = a.get("provenance") or {}, b.get("provenance") or {}
+    out: dict[str, Any] = {
+        "same": a.get("fingerprint") == b.get("fingerprint"),
+        "fingerprint": [a.get("fingerprint"), b.get("fingerprint")],
+        "shards": [a.get("shards"), b.get("shards")],
+        "provenance": {k: [pa.get(k), pb.get(k)] for k in sorted(pa.keys() | pb.keys()) if pa.get(k) != pb.get(k)},
+    }
+    oa, ob = sorted(a.get("outliers") or {}), sorted(b.get("outliers") or {})
+    if oa != ob:
+        out["odd_shards"] = [oa, ob]
+    return out
+
+
+def env_diff(a: dict[str, Any] | None, b: dict[str, Any] | None) -> dict[str, list[dict[str, Any]] | None]:
+    """Per scope, the differing fields ``{"path", "a", "b"}`` (``None`` for a scope when a manifest is missing)."""
+    if a is None or b is None:
+        return dict.fromkeys(SCOPES)
+    out: dict[str, list[dict[str, Any]] | None] = {s: [] for s in SCOPES}
+    for d in diff(a, b, ignore=IDENTITY):
+        out[d.scope].append({"path": d.path, "a": d.a, "b": d.b})
+    return out
+
+
+def _differ(x: Any, y: Any) -> bool:
+    return (x is None) != (y is None) or (x is not None and x != y)
+
+
+def loss_divergence(a: RunRecord, b: RunRecord) -> tuple[int | None, float | None, list[int]]:
+    """The first common step whose losses differ (bit for bit), the largest relative difference over
+    the common steps (finite losses only), and the common steps."""
+    la, lb = dict(zip(a.steps, a.column("loss"), strict=True)), dict(zip(b.steps, b.column("loss"), strict=True))
+    common = sorted(la.keys() & lb.keys())
+    first = next((s for s in common if _differ(la[s], lb[s])), None)
+    rel = [
+        abs(la[s] - lb[s]) / max(abs(la[s]), abs(lb[s]), 1e-30)
+        for s in common
+        if la[s] is not None and lb[s] is not None and math.isfinite(la[s]) and math.isfinite(lb[s])
+    ]
+    return first, (max(rel) if rel else None), common
+
+
+def _values(items: list[tuple[str, Any, Any]], limit: int = 3) -> str:
+    text = ", ".join(f"{one_line(k)} {shown(x)} vs {shown(y)}" for k, x, y in items[:limit])
+    return text + (f" (+{len(items) - limit} more)" if len(items) > limit else "")
+
+
+def _metrics_phrase(first: int | None, rel: float | None, common: list[int], a: RunRecord, b: RunRecord) -> str:
+    if not common:
+        return "no common optimizer steps to compare losses"
+    lengths = f" (A ran {len(a.steps)} steps, B {len(b.steps)})" if len(a.steps) != len(b.steps) else ""
+    if first is None:
+        return f"losses identical over all {len(common)} common steps{lengths}"
+    size = f"by up to {rel:.2g} relative" if rel else "(a non-finite loss in one run only)"
+    if first == common[0]:
+        return f"losses differ from the first step, {size}{lengths}"
+    return f"losses identical until step {first}, then differ {size}{lengths}"
+
+
+def sentence(config: dict, data: dict, env: dict, metrics: str) -> str:
+    """The one-line verdict: what is the same, what differs (with values), then the losses."""
+    same, differs = [], []
+    for scope in SCOPES:
+        if env[scope] is None:
+            differs.append(f"{scope} unknown (env.json missing)")
+        elif not env[scope]:
+            same.append(scope)
+        else:
+            items = [(d["path"].split(".", 1)[1], d["a"], d["b"]) for d in env[scope]]
+            differs.append(f"{scope} differs ({_values(items)})")
+    if config:
+        differs.insert(0, f"config differs ({_values([(k, x, y) for k, (x, y) in config.items()])})")
+    else:
+        same.append("config")
+    if data.get("same"):
+        same.append("data")
+    elif data.get("same") is None:
+        differs.append(f"data unknown ({data['note']})")
+    else:
+        items = [("fingerprint", *data["fingerprint"])] + [(k, x, y) for k, (x, y) in data["provenance"].items()]
+        differs.append(f"data differs ({_values(items)})")
+    head = ("same " + ", ".join(same[:-1]) + (" and " if len(same) > 1 else "") + same[-1]) if same else ""
+    parts = [p for p in (head, *differs, metrics) if p]
+    prefix = "identical: " if not differs and "identical over" in metrics else ""
+    return prefix + "; ".join(parts)
+
+
+def compare(run_a: str | Path, run_b: str | Path, *, plot: str | Path | None = None) -> Comparison:
+    """Compare two run directories; with ``plot``, also write both losses overlaid there.
+
+    Raises:
+        UserError: either is not a run directory, or a file in it is malformed.
+    """
+    a, b = load_run(run_a), load_run(run_b)
+    config = config_diff(a.config, b.config)
+    data = data_diff(data_record(a), data_record(b))
+    env = env_diff(a.env, b.env)
+    first, rel, common = loss_divergence(a, b)
+    text = sentence(config, data, env, _metrics_phrase(first, rel, common, a, b))
+    out = Comparison(text, config, data, env, first, rel, [len(a.steps), len(b.steps)])
+    if plot is not None:
+        from steadytrain.runs.plots import compare_plot
+
+        out.plot = str(compare_plot(a, b, first, Path(plot)))
+    return out

@@ -1,0 +1,189 @@
+"""The pictures of a run: loss, learning rate, gradient norm, throughput; two runs overlaid; a sweep.
+
+Figures are drawn with matplotlib's object API on the Agg canvas (no ``pyplot``, no global backend
+switch, safe in a notebook or a thread) at a fixed size, and written atomically. Every plot has
+labelled axes with units and a title naming the run.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+from steadytrain._io import write_atomic
+from steadytrain.runs.record import RunRecord, smooth
+from steadytrain.schedule import lr_multiplier
+
+__all__ = ["DPI", "SIZE", "compare_plot", "grad_norm_plot", "loss_plot", "lr_plot", "sweep_plot", "throughput_plot"]
+
+SIZE = (8.0, 4.5)
+"""Inches: at :data:`DPI` every run plot is 800 x 450 pixels."""
+DPI = 100
+STEP = "optimizer step"
+
+
+def _figure(size: tuple[float, float] = SIZE) -> Any:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=size, dpi=DPI, layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def _save(fig: Any, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, lambda f: fig.savefig(f, format="png", dpi=DPI))
+    return path
+
+
+def _points(steps: list[int], values: list[Any]) -> tuple[list[int], list[float]]:
+    pairs = [(s, v) for s, v in zip(steps, values, strict=True) if v is not None and math.isfinite(v)]
+    return [s for s, _ in pairs], [v for _, v in pairs]
+
+
+def _mark_steps(ax: Any, steps: list[int], label: str, color: str, marker: str) -> None:
+    """Markers along the bottom of the axes at ``steps`` (visible whatever the y range)."""
+    if steps:
+        ax.scatter(steps, [0.03] * len(steps), transform=ax.get_xaxis_transform(), color=color, marker=marker,
+                   s=36, zorder=3, label=label, clip_on=False)  # fmt: skip
+
+
+def loss_plot(rec: RunRecord, path: Path) -> Path:
+    """Raw and smoothed training loss; skipped (non-finite) steps marked."""
+    fig = _figure()
+    ax = fig.add_subplot()
+    steps, loss = rec.steps, rec.column("loss")
+    ax.plot(*_points(steps, loss), color="tab:blue", alpha=0.35, linewidth=1, label="loss (raw)")
+    ax.plot(*_points(steps, smooth(loss)), color="tab:blue", linewidth=2, label="loss (smoothed)")
+    skipped = [r["step"] for r in rec.metrics if r.get("skipped")]
+    _mark_steps(ax, skipped, f"skipped non-finite step ({len(skipped)})", "tab:red", "x")
+    ax.set(xlabel=STEP, ylabel="training loss (mean per example)", title=f"{rec.name}: training loss")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper right")
+    return _save(fig, path)
+
+
+def schedule_lrs(rec: RunRecord, steps: list[int]) -> list[float] | None:
+    """The LR the plan's schedule gives each (1-based) optimizer step, when the plan has its numbers."""
+    plan, batch = rec.plan, rec.config.get("batch") or {}
+    if not isinstance(plan.get("lr"), int | float) or not plan.get("total_steps"):
+        return None
+    warmup, total = int(plan.get("warmup_steps") or 0), int(plan["total_steps"])
+    decay, floor = batch.get("decay", "cosine"), float(batch.get("min_lr_ratio", 0.0))
+    # Step s trains with the LR after s - 1 scheduler steps (the scheduler steps after the update).
+    return [plan["lr"] * lr_multiplier(s - 1, warmup_steps=warmup, total_steps=total, decay=decay, min_lr_ratio=floor)
+            for s in steps]  # fmt: skip
+
+
+def lr_plot(rec: RunRecord, path: Path) -> Path:
+    """The LR each step used, against the planned schedule; the end of warmup marked."""
+    fig = _figure()
+    ax = fig.add_subplot()
+    steps = rec.steps
+    planned = schedule_lrs(rec, list(range(1, int(rec.plan.get("total_steps") or 0) + 1)))
+    if planned:
+        ax.plot(range(1, len(planned) + 1), planned, color="0.75", linewidth=5, label="schedule (planned)")
+    ax.plot(*_points(steps, rec.column("lr")), color="tab:green", linewidth=1.5, label="LR used")
+    warmup = rec.plan.get("warmup_steps")
+    if warmup:
+        # Steps 1..warmup ramp up; step warmup + 1 is the first at the peak.
+        ax.axvline(warmup + 1, color="tab:purple", linestyle=":", label=f"end of warmup: peak from step {warmup + 1}")
+    peak = rec.plan.get("lr")
+    ylabel = f"learning rate (peak {peak:.3g})" if isinstance(peak, int | float) else "learning rate"
+    ax.set(xlabel=STEP, ylabel=ylabel, title=f"{rec.name}: learning rate")
+    ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper right")
+    return _save(fig, path)
+
+
+def grad_norm_plot(rec: RunRecord, path: Path) -> Path:
+    """Global gradient norm before clipping, the clip threshold, clipped and skipped steps marked."""
+    fig = _figure()
+    ax = fig.add_subplot()
+    steps, norms = _points(rec.steps, rec.column("grad_norm"))
+    ax.plot(steps, norms, color="tab:orange", linewidth=1.5, label="global grad norm (before clipping)")
+    clipped = [(r["step"], r["grad_norm"]) for r in rec.metrics if r.get("clipped") and r.get("grad_norm") is not None]
+    if clipped:
+        ax.scatter(*zip(*clipped, strict=True), color="tab:red", s=18, zorder=3, label=f"clipped ({len(clipped)})")
+    threshold = (rec.config.get("clip") or {}).get("max_grad_norm")
+    if threshold:
+        ax.axhline(threshold, color="black", linestyle="--", linewidth=1, label=f"clip threshold {threshold:g}")
+    skipped = [r["step"] for r in rec.metrics if r.get("skipped")]
+    _mark_steps(ax, skipped, f"skipped non-finite step ({len(skipped)})", "tab:red", "x")
+    if norms and min(norms) > 0 and max(norms) / min(norms) > 100:
+        ax.set_yscale("log")
+    ax.set(xlabel=STEP, ylabel="global L2 norm of the gradient", title=f"{rec.name}: gradient norm")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper right")
+    return _save(fig, path)
+
+
+def throughput_plot(rec: RunRecord, path: Path) -> Path:
+    """Examples per second of each optimizer step."""
+    fig = _figure()
+    ax = fig.add_subplot()
+    ax.plot(*_points(rec.steps, rec.column("items_per_s")), color="tab:cyan", linewidth=1.5, label="per step")
+    ax.plot(*_points(rec.steps, smooth(rec.column("items_per_s"))), color="tab:blue", linewidth=2, label="smoothed")
+    ax.set(xlabel=STEP, ylabel="throughput (examples / s, all ranks)", title=f"{rec.name}: throughput")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    return _save(fig, path)
+
+
+def compare_plot(a: RunRecord, b: RunRecord, first_divergent: int | None, path: Path) -> Path:
+    """Both runs' losses overlaid, and their relative difference per step below."""
+    fig = _figure((8.0, 6.0))
+    top, bottom = fig.subplots(2, 1, sharex=True, height_ratios=[2, 1])
+    top.plot(*_points(a.steps, a.column("loss")), color="tab:blue", linewidth=2, label=f"A: {a.name}")
+    top.plot(*_points(b.steps, b.column("loss")), color="tab:orange", linestyle="--", linewidth=1.5,
+             label=f"B: {b.name}")  # fmt: skip
+    lb = dict(zip(b.steps, b.column("loss"), strict=True))
+    rel = [
+        (s, abs(x - lb[s]) / max(abs(x), abs(lb[s])))
+        for s, x in zip(a.steps, a.column("loss"), strict=True)
+        if x is not None and lb.get(s) is not None and x != lb[s]
+    ]
+    if rel:
+        bottom.semilogy(*zip(*rel, strict=True), color="tab:red", marker=".", linewidth=1)
+    else:
+        bottom.text(0.5, 0.5, "losses identical at every common step", ha="center", va="center",
+                    transform=bottom.transAxes)  # fmt: skip
+    for ax in (top, bottom):
+        if first_divergent is not None:
+            label = f"first difference (step {first_divergent})"
+            ax.axvline(first_divergent, color="tab:red", linestyle=":", label=label)
+        ax.grid(alpha=0.3)
+    top.set(ylabel="training loss (mean per example)", title=f"{a.name} vs {b.name}: training loss")
+    top.legend(loc="upper right")
+    bottom.set(xlabel=STEP, ylabel="relative difference\n|A − B| / max(|A|, |B|)")
+    return _save(fig, path)
+
+
+def sweep_plot(trials: list[dict[str, Any]], estimate: float, title: str, path: Path) -> Path:
+    """Final and smoothed loss against the LR (log axis), diverged trials marked, the estimate marked."""
+    fig = _figure()
+    ax = fig.add_subplot()
+    ok = [t for t in trials if not t["diverged"] and t["smoothed_loss"] is not None]
+    if ok:
+        ax.plot([t["lr"] for t in ok], [t["smoothed_loss"] for t in ok], marker="o", linewidth=2,
+                color="tab:blue", label="smoothed final loss")  # fmt: skip
+        ax.scatter([t["lr"] for t in ok], [t["final_loss"] for t in ok], color="tab:blue", alpha=0.4,
+                   label="final loss")  # fmt: skip
+    for t in ok:
+        ax.annotate(f"×{t['factor']:g}", (t["lr"], t["smoothed_loss"]), textcoords="offset points", xytext=(4, 6))
+    if ok:
+        best = min(ok, key=lambda t: t["smoothed_loss"])
+        ax.scatter([best["lr"]], [best["smoothed_loss"]], marker="*", s=220, color="tab:green", zorder=4,
+                   label=f"best: factor {best['factor']:g}")  # fmt: skip
+    bad = [t for t in trials if t["diverged"]]
+    _mark_steps(ax, [t["lr"] for t in bad], f"diverged ({len(bad)})", "tab:red", "x")
+    ax.axvline(estimate, color="0.4", linestyle="--", label=f"linear-scaling estimate {estimate:.3g}")
+    ax.set_xscale("log")
+    ax.set(xlabel="peak learning rate (log scale)", ylabel="training loss at the last step", title=title)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(loc="best")
+    return _save(fig, path)

@@ -1,0 +1,179 @@
+"""``steadytrain report RUN``: a run's plots and its ``summary.md``.
+
+The summary states what a person needs to judge the run at a glance: the batch plan (effective
+batch = micro x accumulation x world, the scaled LR and its rule), how many steps ran, were skipped
+and clipped, the environment in one paragraph and the final loss, with the plots embedded. A plot
+that cannot be drawn is named in the summary; the rest of the report is still written.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from steadytrain._io import load_json, one_line, write_text_atomic
+from steadytrain.runs import plots
+from steadytrain.runs.record import RunRecord, load_run, smooth
+
+__all__ = ["PLOTS", "Report", "environment_paragraph", "plan_sentence", "report"]
+
+log = logging.getLogger("steadytrain.runs")
+
+PLOTS = {
+    "loss": plots.loss_plot,
+    "lr": plots.lr_plot,
+    "grad_norm": plots.grad_norm_plot,
+    "throughput": plots.throughput_plot,
+}
+"""Plot name (``plots/<name>.png``) -> the function that draws it."""
+
+
+@dataclass
+class Report:
+    """What :func:`report` wrote."""
+
+    summary: Path
+    plots: dict[str, Path] = field(default_factory=dict)
+    failed: dict[str, str] = field(default_factory=dict)
+    """Plots that could not be drawn, with the reason (the summary says so too)."""
+
+
+def report(run: str | Path, *, stopped: str | None = None) -> Report:
+    """Write ``RUN/plots/*.png`` and ``RUN/summary.md``.
+
+    Args:
+        run: a run directory.
+        stopped: why training stopped early, when the caller knows (``train`` passes it).
+
+    Raises:
+        UserError: not a run directory, or a malformed file in it (names the file).
+
+    Example:
+        >>> from steadytrain.runs import report
+        >>> report("runs/default").summary  # doctest: +SKIP
+        PosixPath('runs/default/summary.md')
+    """
+    rec = load_run(run)
+    out = Report(summary=rec.run.summary)
+    for name, draw in PLOTS.items():
+        try:
+            out.plots[name] = draw(rec, rec.run.path / "plots" / f"{name}.png")
+        except Exception as err:  # a plot is never worth losing the report (or the run) over
+            out.failed[name] = one_line(f"{type(err).__name__}: {err}")
+            log.warning("%s: could not draw the %s plot: %s", rec.run.path, name, out.failed[name])
+    write_text_atomic(out.summary, summary_markdown(rec, out, stopped))
+    return out
+
+
+def plan_sentence(plan: dict[str, Any]) -> str:
+    """``effective batch 64 = micro 16 × accumulation 4 × world 1; peak LR 0.003 (linear rule ...)``."""
+    if not plan:
+        return "no batch plan recorded (plan.json is missing)"
+    text = (
+        f"effective batch {plan.get('global_batch_size')} = micro {plan.get('micro_batch_size')} × accumulation "
+        f"{plan.get('accumulation_steps')} × world {plan.get('world_size')}; peak LR {plan.get('lr', 0):.4g}"
+    )
+    base, rule = plan.get("base_batch_size"), plan.get("scaling_rule")
+    if base and plan.get("global_batch_size"):
+        k = plan["global_batch_size"] / base
+        text += f" ({rule} rule: base LR {plan.get('base_lr'):.4g} at batch {base}, scale-up ×{k:g})"
+    else:
+        text += " (unscaled: no base batch size)"
+    return text
+
+
+def _stats(rec: RunRecord) -> dict[str, Any]:
+    loss = rec.column("loss")
+    rates = [r for r in rec.column("items_per_s")[1:] if r] or [r for r in rec.column("items_per_s") if r]
+    last = rec.metrics[-1] if rec.metrics else {}
+    return {
+        "steps": last.get("step", 0),
+        "skipped": sum(bool(r.get("skipped")) for r in rec.metrics),
+        "clipped": sum(bool(r.get("clipped")) for r in rec.metrics),
+        "final": last.get("loss"),
+        "smoothed": (smooth(loss) or [None])[-1],
+        "rate": statistics.median(rates) if rates else None,
+        "elapsed": last.get("elapsed_s"),
+    }
+
+
+def _fmt(x: Any, spec: str = ".4g") -> str:
+    return "n/a (not finite)" if x is None else format(x, spec)
+
+
+def _stopped_line(rec: RunRecord, stopped: str | None, steps: int) -> str | None:
+    total = rec.plan.get("total_steps")
+    if stopped:
+        return f"stopped early: {one_line(stopped)}"
+    if total and steps < total:
+        return f"stopped early: {steps} of {total} planned optimizer steps ran"
+    return None
+
+
+def _nonfinite_line(rec: RunRecord) -> str | None:
+    path = rec.run.path / "nonfinite_report.json"
+    if not path.exists():
+        return None
+    sentence = (load_json(path, what="non-finite report") or {}).get("sentence")
+    return f"non-finite steps: {one_line(sentence)} (`nonfinite_report.json`)" if sentence else None
+
+
+def summary_markdown(rec: RunRecord, rep: Report, stopped: str | None) -> str:
+    """The text of ``summary.md``."""
+    s = _stats(rec)
+    threshold = (rec.config.get("clip") or {}).get("max_grad_norm")
+    rows = [
+        ("optimizer steps", f"{s['steps']} of {rec.plan.get('total_steps', '?')} planned"),
+        ("skipped (non-finite) steps", str(s["skipped"])),
+        ("clipped steps", f"{s['clipped']}" + (f" (global norm above {threshold:g})" if threshold else "")),
+        ("final loss", f"{_fmt(s['final'])} (smoothed {_fmt(s['smoothed'])})"),
+        ("throughput", f"median {_fmt(s['rate'], '.4g')} examples/s" if s["rate"] else "n/a"),
+        ("wall time", f"{s['elapsed']:.1f} s" if s["elapsed"] is not None else "n/a"),
+    ]
+    lines = [f"# Run {rec.name}", "", f"- {plan_sentence(rec.plan)}", *_schedule_lines(rec)]
+    lines += [f"- {x}" for x in (_stopped_line(rec, stopped, s["steps"]), _nonfinite_line(rec)) if x]
+    lines += ["", "| | |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows), ""]
+    lines += [f"**Environment.** {environment_paragraph(rec.env)}", ""]
+    for name, path in rep.plots.items():
+        lines += [f"![{name}](plots/{path.name})", ""]
+    for name, why in rep.failed.items():
+        lines += [f"- the {name} plot could not be drawn: {why}"]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _schedule_lines(rec: RunRecord) -> list[str]:
+    batch, plan = rec.config.get("batch") or {}, rec.plan
+    if plan.get("warmup_steps") is None:
+        return []
+    return [
+        f"- warmup {plan['warmup_steps']} optimizer step(s), then {batch.get('decay', 'cosine')} decay to "
+        f"{batch.get('min_lr_ratio', 0):g} × peak; seed {(rec.config.get('run') or {}).get('seed')}"
+    ]
+
+
+def environment_paragraph(env: dict[str, Any] | None) -> str:
+    """The environment in one paragraph: image (tag, or torch/CUDA/Python/OS), host (driver, kernel, devices), code."""
+    if not env:
+        return "Not recorded (env.json is missing)."
+    image, host, code = env.get("image") or {}, env.get("host") or {}, env.get("code") or {}
+    container = host.get("container") or {}
+    if container.get("image_tag"):
+        img = f"image {container['image_tag']}"
+    else:
+        os_name = (image.get("os") or {}).get("pretty_name") or "an unknown OS"
+        img = (
+            f"no image tag recorded: torch {image.get('torch')}, CUDA {image.get('cuda') or 'none'}, cuDNN "
+            f"{image.get('cudnn') or 'none'}, Python {image.get('python')} on {os_name}"
+        )
+    gpus = host.get("gpus") or []
+    cpu = host.get("cpu") or {}
+    devices = f"{len(gpus)} × {gpus[0].get('name')}" if gpus else f"CPU {cpu.get('model')} ({cpu.get('count')} cores)"
+    driver = host.get("nvidia_driver") or "none (no NVIDIA GPU)"
+    commit = code.get("git_commit")
+    dirty = " with uncommitted changes" if code.get("git_dirty") else ""
+    src = f"commit {commit[:12]}{dirty}" if commit else "no git"
+    text = f"{img[0].upper()}{img[1:]}; host: NVIDIA driver {driver}, kernel {host.get('kernel')}"
+    return one_line(f"{text}, {devices}; code: {src}.")
