@@ -35,9 +35,17 @@ EXPOSURE = "exposure.json"
 _EVENT_KEYS = ("cycle", "rank", "grad_norm", "micro_steps", "nonfinite_micro_batches", "tags", "action", "reason")
 
 
+def _flags(tag: Any) -> Any:
+    """A micro-batch's non-finite flags: given, or derived from its per-example losses (kept lazily)."""
+    if not isinstance(tag, dict):
+        return None
+    losses = tag.get("losses")
+    return ~torch.isfinite(losses) if isinstance(losses, torch.Tensor) else tag.get("nonfinite")
+
+
 def _positions(tags: tuple[Any, ...]) -> list[list[int] | None]:
     """Per micro-batch, the positions of non-finite example losses: one host read for the whole cycle."""
-    flags = [t.get("nonfinite") if isinstance(t, dict) else None for t in tags]
+    flags = [_flags(t) for t in tags]
     present = [f for f in flags if isinstance(f, torch.Tensor)]
     if not present:
         return [None if not isinstance(f, list) else f for f in flags]

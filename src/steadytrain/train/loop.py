@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from steadytrain.accumulate import NonFiniteGradientError
@@ -60,7 +61,7 @@ class Job:
     step: int = 0
     epoch: int = 0
     consecutive_skips: int = 0
-    exposure: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
+    exposure: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     """Examples seen per shard id by this rank, on the host (rank 0 also holds the counts from before a resume)."""
     metrics: MetricsLog | None = None
     elapsed_before: float = 0.0
@@ -127,7 +128,7 @@ def _resume(job: Job) -> None:
     job.step, job.epoch = state["step"], state["data"]["epoch"]
     if job.info.is_main:  # the checkpoint holds the global counts: one rank carries them on
         saved = {int(k): int(v) for k, v in state.get("exposure", {}).items()}
-        job.exposure = torch.zeros(max(saved, default=-1) + 1, dtype=torch.int64)
+        job.exposure = np.zeros(max(saved, default=-1) + 1, dtype=np.int64)
         for shard, count in saved.items():
             job.exposure[shard] = count
     job.elapsed_before = float(state.get("elapsed_s", 0.0))
@@ -215,13 +216,13 @@ def _micro_batch(job: Job, mb: dict[str, Any]) -> tuple[Any, torch.Tensor]:
         else contextlib.nullcontext()
     )
     job.lr = job.optimizer.param_groups[0]["lr"]
-    tag: dict[str, Any] = {"shard": shard, "index": index, "nonfinite": None}
+    tag: dict[str, Any] = {"shard": shard, "index": index, "losses": None}
     with job.acc.micro_batch(tag=tag) as m:
         with autocast:
             out = job.model(batch)
         loss = _mean_loss(out, len(index))
         if out.dim() == 1:
-            tag["nonfinite"] = ~torch.isfinite(out.detach())
+            tag["losses"] = out.detach()  # per-example; its flags are computed only if the step is refused
         m.backward(loss)
     job.step_loss = loss.detach() if m.position == 0 else job.step_loss + loss.detach()
     return m.result, job.step_loss / (m.position + 1)

@@ -12,6 +12,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -160,17 +161,17 @@ def record_nonfinite(job: Job, event: Any) -> None:
 
 def count_exposure(job: Job, shard: torch.Tensor) -> None:
     """Add a micro-batch's examples to this rank's per-shard counts (host tensors: no device sync)."""
-    counts = torch.bincount(shard.reshape(-1).to("cpu", torch.int64))
+    counts = np.bincount(shard.numpy().reshape(-1), minlength=len(job.exposure))  # NumPy: no torch op overhead
     if len(counts) > len(job.exposure):
-        job.exposure = torch.cat([job.exposure, torch.zeros(len(counts) - len(job.exposure), dtype=torch.int64)])
-    job.exposure[: len(counts)] += counts
+        job.exposure = np.concatenate([job.exposure, np.zeros(len(counts) - len(job.exposure), dtype=np.int64)])
+    job.exposure += counts
 
 
 def global_exposure(job: Job) -> dict[int, int]:
     """Examples seen per shard over all ranks (a collective: every rank calls it)."""
     size = max(max(job.ds.shard_ids, default=-1) + 1, len(job.exposure))
     counts = torch.zeros(size, dtype=torch.int64)
-    counts[: len(job.exposure)] = job.exposure
+    counts[: len(job.exposure)] = torch.from_numpy(job.exposure)
     if job.info.backend is not None:
         on = counts.to(job.info.device)  # NCCL reduces device tensors only
         dist.all_reduce(on)
