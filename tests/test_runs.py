@@ -12,28 +12,14 @@ import json
 import math
 import shutil
 import struct
-import subprocess
-import sys
 from pathlib import Path
 
-import numpy as np
-import pyarrow as pa
 import pytest
 
-from steadytrain.data import DatasetWriter
+from tests import train_utils
+from tests.train_utils import metrics, run_cli, sets, write_text_dataset
 
-EXE = str(Path(sys.executable).with_name("steadytrain"))
-TINY = [
-    "model.dim=32",
-    "model.layers=1",
-    "model.heads=2",
-    "data.seq_len=32",
-    "batch.micro_batch_size=4",
-    "batch.global_batch_size=16",
-    "batch.base_batch_size=16",
-    "batch.base_lr=0.01",
-    "run.max_steps=6",
-]
+TINY = [*train_utils.TINY, "run.max_steps=6"]
 PLOTS = ("loss", "lr", "grad_norm", "throughput")
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -44,21 +30,6 @@ def png_size(path: Path) -> tuple[int, int]:
     assert head[:8] == PNG_SIGNATURE, path
     assert head[12:16] == b"IHDR", path
     return struct.unpack(">II", head[16:24])
-
-
-def run_cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    import os
-
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([EXE, *args], capture_output=True, text=True, timeout=timeout, env=env)
-
-
-def sets(*items: str) -> list[str]:
-    return [x for item in items for x in ("--set", item)]
-
-
-def metrics(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
 def write_metrics(run: Path, rows: list[dict]) -> None:
@@ -75,13 +46,7 @@ def set_driver(run: Path, driver: str | None) -> None:
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> Path:
     """400 byte sequences of this project's source in 4 shards (a few KB: not the default corpus)."""
-    path = tmp_path_factory.mktemp("runs-data")
-    src = b"".join(p.read_bytes() for p in sorted(Path(__file__).parent.parent.glob("src/steadytrain/**/*.py")))
-    seqs = np.frombuffer(src, dtype=np.uint8)[: 33 * 400].reshape(-1, 33)
-    with DatasetWriter(path, provenance={"source": "steadytrain-src"}) as w:
-        for part in np.array_split(seqs, 4):
-            w.write_shard(pa.table({"tokens": pa.FixedSizeListArray.from_arrays(pa.array(part.reshape(-1)), 33)}))
-    return path
+    return write_text_dataset(tmp_path_factory.mktemp("runs-data"), [100] * 4)
 
 
 def train(run: Path, data: Path, *extra: str) -> Path:

@@ -17,52 +17,23 @@ import time
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
 import pytest
 import torch
 
-from steadytrain.data import DatasetWriter
 from steadytrain.train.checkpoint import latest_checkpoint, load_checkpoint
+from tests.train_utils import TINY, metrics, run_cli, sets, write_text_dataset
 
-EXE = str(Path(sys.executable).with_name("steadytrain"))
-SMALL = [
-    "model.dim=32",
-    "model.layers=1",
-    "model.heads=2",
-    "data.seq_len=32",
-    "batch.micro_batch_size=4",
-    "batch.global_batch_size=16",
-    "batch.base_batch_size=16",
-    "batch.base_lr=0.01",
-    "run.log_every=2",
-]
+SMALL = [*TINY, "run.log_every=2"]
 
 
 @pytest.fixture(scope="module")
 def text_data(tmp_path_factory) -> Path:
     """Byte sequences of this project's own source, in 6 shards of unequal sizes."""
-    path = tmp_path_factory.mktemp("text")
-    src = b"".join(p.read_bytes() for p in sorted(Path(__file__).parent.parent.glob("src/steadytrain/**/*.py")))
-    seqs = np.frombuffer(src, dtype=np.uint8)[: 33 * 600].reshape(-1, 33)
-    with DatasetWriter(path, provenance={"source": "steadytrain-src"}) as w:
-        start = 0
-        for n in (90, 130, 70, 110, 120, 80):
-            part = seqs[start : start + n]
-            w.write_shard(pa.table({"tokens": pa.FixedSizeListArray.from_arrays(pa.array(part.reshape(-1)), 33)}))
-            start += n
-    return path
+    return write_text_dataset(tmp_path_factory.mktemp("text"), [90, 130, 70, 110, 120, 80])
 
 
 def env(**extra: str) -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", **extra}
-
-
-def run_cli(*args: str, timeout: int = 300, **extra_env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([EXE, *args], capture_output=True, text=True, timeout=timeout, env=env(**extra_env))
-
-
-def sets(*items: str) -> list[str]:
-    return [x for item in items for x in ("--set", item)]
 
 
 def train_cli(run_dir: Path, data: Path, *extra: str, steps: int = 8) -> subprocess.CompletedProcess:
@@ -71,10 +42,6 @@ def train_cli(run_dir: Path, data: Path, *extra: str, steps: int = 8) -> subproc
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
-
-
-def metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def torchrun(*launcher: str, args: list[str], timeout: int = 300) -> subprocess.Popen:

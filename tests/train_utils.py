@@ -1,0 +1,54 @@
+"""What the end-to-end training tests share: the installed command, a tiny model, a small text dataset."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from steadytrain.data import DatasetWriter
+
+EXE = str(Path(sys.executable).with_name("steadytrain"))
+TINY = [
+    "model.dim=32",
+    "model.layers=1",
+    "model.heads=2",
+    "data.seq_len=32",
+    "batch.micro_batch_size=4",
+    "batch.global_batch_size=16",
+    "batch.base_batch_size=16",
+    "batch.base_lr=0.01",
+]
+"""A model and batch small enough for a few optimizer steps per second on 2 CPU cores."""
+
+
+def sets(*items: str) -> list[str]:
+    """``--set`` flags for each ``key=value``."""
+    return [x for item in items for x in ("--set", item)]
+
+
+def run_cli(*args: str, timeout: int = 300, **extra_env: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **extra_env}
+    return subprocess.run([EXE, *args], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def write_text_dataset(path: Path, sizes: list[int]) -> Path:
+    """Byte sequences (33 bytes: seq_len 32 + 1) of this project's own source, one shard per size."""
+    src = b"".join(p.read_bytes() for p in sorted(Path(__file__).parent.parent.glob("src/steadytrain/**/*.py")))
+    seqs = np.frombuffer(src, dtype=np.uint8)[: 33 * sum(sizes)].reshape(-1, 33)
+    with DatasetWriter(path, provenance={"source": "steadytrain-src"}) as w:
+        start = 0
+        for n in sizes:
+            part = seqs[start : start + n]
+            w.write_shard(pa.table({"tokens": pa.FixedSizeListArray.from_arrays(pa.array(part.reshape(-1)), 33)}))
+            start += n
+    return path
