@@ -16,22 +16,13 @@ from steadytrain._check import check_finite, check_int
 from steadytrain._io import one_line
 from steadytrain.errors import UserError
 from steadytrain.schedule import BatchPlan, scale_lr
+from tests.cli_utils import EXE, assert_user_error
 
-EXE = str(Path(sys.executable).with_name("steadytrain"))
 PLAN = ["plan", "--micro-batch-size", "32", "--base-lr", "1e-3", "--base-batch-size", "256"]
 
 
 def run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([EXE, *args], capture_output=True, text=True, timeout=120, cwd=cwd)
-
-
-def assert_user_error(proc: subprocess.CompletedProcess, *words: str, code: int = 2) -> None:
-    assert proc.returncode == code, proc.stderr
-    assert "Traceback" not in proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1, proc.stderr
-    for word in words:
-        assert word in lines[0], (word, lines[0])
 
 
 # --- file readers -----------------------------------------------------------------------------

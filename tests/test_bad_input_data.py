@@ -13,7 +13,6 @@ import logging
 import multiprocessing
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pyarrow as pa
@@ -33,21 +32,11 @@ from steadytrain.data import (
 )
 from steadytrain.data.index import INDEX
 from steadytrain.errors import UserError
-
-EXE = str(Path(sys.executable).with_name("steadytrain"))
+from tests.cli_utils import EXE, assert_user_error
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([EXE, "data", *args], capture_output=True, text=True, timeout=120)
-
-
-def assert_user_error(proc: subprocess.CompletedProcess, *words: str, code: int = 2) -> None:
-    assert proc.returncode == code, proc.stdout + proc.stderr
-    assert "Traceback" not in proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1, proc.stderr
-    for word in words:
-        assert word in lines[0], (word, lines[0])
 
 
 def snapshot(path: Path) -> dict[str, bytes]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import subprocess
-import sys
 from pathlib import Path
 
 import pyarrow as pa
@@ -22,8 +21,7 @@ from steadytrain.accumulate import GradientAccumulator
 from steadytrain.clip import clip_grad_global_norm_, clip_grad_value_, global_grad_norm, scale_grads_
 from steadytrain.data import DatasetError, DatasetWriter, ShardedDataset, global_batch, open_dataset
 from steadytrain.errors import UserError
-
-EXE = str(Path(sys.executable).with_name("steadytrain"))
+from tests.cli_utils import EXE, assert_user_error
 
 BASE = pa.table({"x": [1.0, 2.0, 3.0, 4.0], "y": [1, 2, 3, 4]})
 
@@ -37,15 +35,6 @@ def write(path: Path, *tables: pa.Table) -> Path:
 
 def run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([EXE, "data", *args], capture_output=True, text=True, timeout=120)
-
-
-def assert_one_line(proc: subprocess.CompletedProcess, *words: str, code: int = 2) -> None:
-    assert proc.returncode == code, proc.stdout + proc.stderr
-    assert "Traceback" not in proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1, proc.stderr
-    for word in words:
-        assert word in lines[0], (word, lines[0])
 
 
 # --- shards whose Parquet schemas disagree ---------------------------------------------------------------
@@ -298,7 +287,7 @@ def test_a_tampered_per_example_state_is_refused(tmp_path, key, value, word):
 def test_cli_infer_schema_on_mismatched_shards_is_one_line(tmp_path):
     write(tmp_path / "ds", BASE, MISMATCHES["string instead of double"][0])
     out = tmp_path / "s.yaml"
-    assert_one_line(run("infer-schema", str(tmp_path / "ds"), "-o", str(out)), "shard 1", "'x'")
+    assert_user_error(run("infer-schema", str(tmp_path / "ds"), "-o", str(out)), "shard 1", "'x'")
     assert not out.exists()
 
 
