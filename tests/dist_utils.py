@@ -13,6 +13,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from steadytrain.train.distributed import quiesce
+
 
 def _entry(rank: int, fn, world_size: int, tmp: str, args: tuple) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -22,6 +24,7 @@ def _entry(rank: int, fn, world_size: int, tmp: str, args: tuple) -> None:
         fn(rank, world_size, Path(tmp), *args)
         # No rank tears down its connections while a peer still finishes the last collective.
         dist.barrier()
+        quiesce(world_size)
     finally:
         dist.destroy_process_group()
 

@@ -8,6 +8,7 @@ sets ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``; multi-node is torchrun's own rendez
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -85,10 +86,25 @@ def barrier(info: DistInfo) -> None:
         dist.barrier()
 
 
+def quiesce(world_size: int, key: str = "steadytrain/teardown", timeout_s: float = 300.0) -> None:
+    """Wait until every rank has returned from its last collective, through the rendezvous store.
+
+    A barrier alone is not enough with gloo: the first rank out of it can close its connections while
+    a peer is still receiving the barrier's last message, and that peer aborts (SIGABRT). Counting the
+    ranks that are out in the store (not a collective) closes that window.
+    """
+    store = dist.distributed_c10d._get_default_store()
+    store.add(key, 1)
+    deadline = time.monotonic() + timeout_s
+    while store.add(key, 0) < world_size and time.monotonic() < deadline:
+        time.sleep(0.005)
+
+
 def teardown(info: DistInfo) -> None:
-    """Leave the process group: a barrier first, so no rank closes connections a peer still uses."""
+    """Leave the process group once no rank uses it any more (a barrier, then :func:`quiesce`)."""
     if info.backend is not None and dist.is_initialized():
         try:
             dist.barrier()
+            quiesce(info.world_size)
         finally:
             dist.destroy_process_group()
