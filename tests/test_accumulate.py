@@ -321,6 +321,39 @@ def test_state_dict_round_trip_mid_cycle():
     assert_same_params(resumed, straight, atol=0)
 
 
+def test_a_state_at_a_step_boundary_resumes_with_another_accumulation():
+    """Resume on another world size: a step at K=4 (4 x 4 examples), then one at K=2 (2 x 8), same examples."""
+    x, y = data(32)
+    straight = make_model()
+    run_accumulated(straight, split(x, y, [4] * 8), k=4, use_items=True)
+
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    acc = GradientAccumulator(model, opt, accumulation_steps=4)
+    for xb, yb in split(x[:16], y[:16], [4] * 4):
+        with acc.micro_batch(num_items=len(xb)) as mb:
+            mb.backward(item_loss(model, xb, yb).mean())
+    acc2 = GradientAccumulator(model, opt, accumulation_steps=2)
+    acc2.load_state_dict(copy.deepcopy(acc.state_dict()))
+    assert (acc2.optimizer_steps, acc2.micro_steps) == (1, 4)
+    for xb, yb in split(x[16:], y[16:], [8] * 2):  # same examples per step: 2 micro-batches of 8
+        with acc2.micro_batch(num_items=len(xb)) as mb:
+            mb.backward(item_loss(model, xb, yb).mean())
+    assert acc2.optimizer_steps == 2
+    assert_same_params(model, straight, atol=1e-6)
+
+
+def test_a_state_mid_cycle_refuses_another_accumulation():
+    x, y = data(8)
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    acc = GradientAccumulator(model, opt, accumulation_steps=4)
+    with acc.micro_batch() as mb:
+        mb.backward(item_loss(model, x, y).mean())
+    with pytest.raises(ValueError, match="cycle in progress"):
+        GradientAccumulator(model, opt, accumulation_steps=2).load_state_dict(acc.state_dict())
+
+
 def test_batchnorm_warns_once():
     model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

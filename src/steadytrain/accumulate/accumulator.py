@@ -183,7 +183,7 @@ class GradientAccumulator:
             norm_type=norm_type,
             eps=eps,
         )
-        self._device = self._params[0].device if self._params else torch.device("cpu")
+        self._device = self._params[0].device
         self._layout = DataParallel.of(model)
         fp16 = grad_scaler is not None or any(p.dtype == torch.float16 for p in self._params)
         self._item_scale = normalize.ItemScale(fp16, accumulation_steps, self._layout)
@@ -364,11 +364,15 @@ class GradientAccumulator:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`; mid-cycle it also restores the accumulated gradients."""
-        if state["accumulation_steps"] != self.accumulation_steps:
+        """Restore :meth:`state_dict`; mid-cycle it also restores the accumulated gradients.
+
+        A state saved at a cycle boundary (no micro-batch pending) loads into any ``accumulation_steps``:
+        that is how a run resumes on another world size with the same global batch.
+        """
+        if state["accumulation_steps"] != self.accumulation_steps and state["cycle"]["micro"]:
             raise UserError(
-                f"checkpoint has accumulation_steps={state['accumulation_steps']}, this accumulator "
-                f"{self.accumulation_steps}: resume with the same value"
+                f"checkpoint has accumulation_steps={state['accumulation_steps']} and a cycle in progress, this "
+                f"accumulator {self.accumulation_steps}: resume with the same value, or from a step boundary"
             )
         for key in ("micro_steps", "optimizer_steps", "skipped_steps", "items_seen", "last_grad_norm"):
             setattr(self, key, state[key])

@@ -118,9 +118,7 @@ def _resume(job: Job) -> None:
     state = load_checkpoint(path)
     apply_checkpoint(state, job.model, job.optimizer)
     job.acc.scheduler.load_state_dict(state["scheduler"])
-    # Checkpoints are taken at a step boundary, where the accumulation count has no pending state:
-    # a resume on another world size (same global batch, another K) continues from it.
-    job.acc.load_state_dict({**state["accumulator"], "accumulation_steps": job.acc.accumulation_steps})
+    job.acc.load_state_dict(state["accumulator"])  # taken at a step boundary: any K (world size) loads it
     if job.scaler is not None and state.get("scaler"):
         job.scaler.load_state_dict(state["scaler"])
     job.ds.load_state_dict(state["data"])
@@ -225,7 +223,9 @@ def _micro_batch(job: Job, mb: dict[str, Any]) -> tuple[Any, torch.Tensor]:
             tag["losses"] = out.detach()  # per-example; its flags are computed only if the step is refused
         m.backward(loss)
     job.step_loss = loss.detach() if m.position == 0 else job.step_loss + loss.detach()
-    return m.result, job.step_loss / (m.position + 1)
+    if m.result is None:
+        return None, job.step_loss
+    return m.result, job.step_loss / (m.position + 1)  # the step's mean loss: divided once per step
 
 
 def _mean_loss(out: Any, n: int) -> torch.Tensor:
