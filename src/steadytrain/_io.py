@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import logging
 import math
 import os
-import reprlib
 import stat
 import tempfile
 from collections.abc import Callable
@@ -23,35 +23,28 @@ from typing import IO, Any
 
 import yaml
 
+from steadytrain._text import brief, one_line
 from steadytrain.errors import UserError
 
+__all__ = [
+    "append_jsonl",
+    "brief",
+    "load_json",
+    "load_yaml",
+    "one_line",
+    "parse_yaml",
+    "read_jsonl",
+    "read_text",
+    "utc_now",
+    "write_atomic",
+    "write_text_atomic",
+]
+
 MAX_TEXT_BYTES = 64 * 1024 * 1024  # config, index, manifest, schema, lockfile: far below this
+MAX_LOG_BYTES = 1024 * 1024 * 1024  # metrics.jsonl of a very long run (about 200 bytes per step)
 MAX_YAML_NODES = 1_000_000  # nodes after alias expansion: a real config has a few hundred
 
-_repr = reprlib.Repr()
-_repr.maxstring = _repr.maxother = 80
-_repr.maxlist = _repr.maxtuple = _repr.maxdict = _repr.maxset = 6
-_repr.maxlevel = 3
-
-
-def brief(value: object) -> str:
-    """A short, bounded ``repr`` of ``value`` for error messages (safe on huge or self-nested values).
-
-    Example:
-        >>> brief("x" * 1000)[:12], len(brief("x" * 1000)) < 100
-        ("'xxxxxxxxxxx", True)
-    """
-    return _repr.repr(value)
-
-
-def one_line(value: object) -> str:
-    r"""``str(value)`` with newlines and other control characters escaped: a value never starts a new line.
-
-    Example:
-        >>> print(one_line("6.1" + chr(10) + "image identical"))
-        6.1\nimage identical
-    """
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(value))
+log = logging.getLogger("steadytrain")
 
 
 def utc_now() -> str:
@@ -276,22 +269,61 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def load_json(path: str | Path, *, what: str = "JSON file") -> Any:
-    """Parse a JSON file, or a :class:`UserError` naming the file (and line).
-
-    Strict: no NaN/Infinity, no number that overflows to infinity, no key twice in one object.
-    """
-    text = read_text(path, what=what)
+def _parse_json(text: str, where: str, what: str) -> Any:
+    """Strict JSON: no NaN/Infinity, no number that overflows to infinity, no key twice in one object."""
     try:
         return json.loads(
             text, parse_constant=_reject_constant, parse_float=_finite_float, object_pairs_hook=_unique_keys
         )
     except json.JSONDecodeError as err:
-        raise UserError(f"{path}: {what} is not valid JSON (line {err.lineno}: {err.msg})") from None
+        line = f"line {err.lineno}: " if "\n" in text.strip() else ""
+        raise UserError(f"{where}: {what} is not valid JSON ({line}{err.msg})") from None
     except RecursionError:
-        raise UserError(f"{path}: {what} nests too deeply to be read") from None
+        raise UserError(f"{where}: {what} nests too deeply to be read") from None
     except ValueError as err:
-        raise UserError(f"{path}: {what} is not valid JSON ({one_line(err)})") from None
+        raise UserError(f"{where}: {what} is not valid JSON ({one_line(err)})") from None
+
+
+def load_json(path: str | Path, *, what: str = "JSON file") -> Any:
+    """Parse a JSON file, or a :class:`UserError` naming the file (and line).
+
+    Strict: no NaN/Infinity, no number that overflows to infinity, no key twice in one object.
+    """
+    return _parse_json(read_text(path, what=what), str(path), what)
+
+
+def read_jsonl(path: str | Path, *, what: str = "JSON-lines file") -> list[tuple[int, Any]]:
+    r"""``(line number, value)`` of every line of a JSON-lines log the project appends to; ``[]`` if absent.
+
+    The one rule for a torn record: the last line, when it is not JSON (a kill in the middle of its
+    write), is skipped with a warning. Any other malformed line is a :class:`UserError` naming the
+    file and line. Lines are parsed as strictly as :func:`load_json`.
+
+    Example:
+        >>> import tempfile, os
+        >>> p = os.path.join(tempfile.mkdtemp(), "m.jsonl")
+        >>> _ = open(p, "w").write('{"step": 1}\n{"step": 2}\n{"st')
+        >>> read_jsonl(p)
+        [(1, {'step': 1}), (2, {'step': 2})]
+    """
+    path = Path(path)
+    if not path.exists():
+        return []
+    lines = read_text(path, what=what, max_bytes=MAX_LOG_BYTES).split("\n")
+    last = max((n for n, line in enumerate(lines, start=1) if line.strip()), default=0)
+    out = []
+    for n, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            value = _parse_json(line, f"{path}:{n}", what)
+        except UserError:
+            if n != last:
+                raise
+            log.warning("%s: line %d is cut short (the writer was killed mid-write?): skipped", path, n)
+            continue
+        out.append((n, value))
+    return out
 
 
 def _count_nodes(value: Any, budget: int) -> int:
