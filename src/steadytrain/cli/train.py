@@ -71,15 +71,18 @@ def train(
     from steadytrain.train.loop import TrainingStopped
     from steadytrain.train.loop import train as run_training
 
-    if nproc is not None and "RANK" not in os.environ:
-        _handoff(nproc, sys.argv[1:])
-    _setup_logging()
     if resume is not None and config is not None:
         raise click.UsageError("give CONFIG or --resume RUN_DIR, not both (a resumed run uses its own config.yaml)")
     from steadytrain.train.rundir import open_run_dir
 
     source = open_run_dir(Path(resume)).config if resume is not None else config
     cfg = load_config(source, list(overrides))
+    if nproc is not None and "RANK" not in os.environ:
+        from steadytrain.train.setup import check_before_launch
+
+        check_before_launch(cfg, run_dir=Path(run_dir) if run_dir else None, resume=resume is not None)
+        _handoff(nproc, sys.argv[1:])  # every mistake found here is said once, not once per rank
+    _setup_logging()
     try:
         run_training(cfg, run_dir=Path(run_dir) if run_dir else None, resume=Path(resume) if resume else None)
     except TrainingStopped as err:

@@ -21,6 +21,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from steadytrain._io import write_atomic
+from steadytrain._text import error_text
 from steadytrain.errors import UserError
 
 __all__ = ["apply_checkpoint", "latest_checkpoint", "list_checkpoints", "load_checkpoint", "save_checkpoint"]
@@ -73,8 +74,7 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError) as err:
-        first = str(err).strip().splitlines()[0][:160] if str(err).strip() else type(err).__name__
-        raise UserError(f"{path}: not a loadable steadytrain checkpoint ({first})") from None
+        raise UserError(f"{path}: not a loadable steadytrain checkpoint ({error_text(err, 240)})") from None
     if not isinstance(state, dict) or not {"step", "model", "optimizer"} <= set(state):
         raise UserError(f"{path}: not a steadytrain checkpoint (no step/model/optimizer)")
     return state
@@ -90,5 +90,5 @@ def apply_checkpoint(state: dict[str, Any], model: nn.Module, optimizer: torch.o
             optim_state_dict=state["optimizer"],
             options=StateDictOptions(full_state_dict=True),
         )
-    except (RuntimeError, KeyError) as err:
-        raise UserError(f"checkpoint does not fit this model/optimizer: {str(err).splitlines()[0][:200]}") from None
+    except (RuntimeError, KeyError, ValueError, TypeError, AssertionError) as err:
+        raise UserError(f"checkpoint does not fit this model/optimizer: {error_text(err)}") from None

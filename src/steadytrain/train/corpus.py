@@ -19,7 +19,9 @@ import numpy as np
 import pyarrow as pa
 from filelock import FileLock
 
+from steadytrain._io import brief
 from steadytrain.data import DatasetWriter
+from steadytrain.errors import UserError
 
 __all__ = ["cache_dir", "default_corpus"]
 
@@ -82,11 +84,23 @@ def default_corpus(seq_len: int = 128, *, max_bytes: int = MAX_BYTES) -> Path:
     """The embedded corpus for ``seq_len``, written on first use; safe to call from every rank at once."""
     python = "".join(map(str, sys.version_info[:2]))
     root = cache_dir()
-    root.mkdir(parents=True, exist_ok=True)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as err:  # a file where the directory goes, no permission, a name too long
+        why = "it is a file, not a directory" if root.is_file() else (err.strerror or str(err))
+        raise UserError(
+            f"cache directory {brief(str(root))} (STEADYTRAIN_CACHE, else XDG_CACHE_HOME/steadytrain) cannot be "
+            f"used: {why}; point STEADYTRAIN_CACHE at a writable directory"
+        ) from None
     final = root / f"corpus-stdlib-py{python}-seq{seq_len}-{max_bytes}-v{CORPUS_VERSION}"
     if (final / "index.json").exists():
         return final
-    with FileLock(str(final) + ".lock"):
+    lock = FileLock(str(final) + ".lock")
+    try:
+        lock.acquire()
+    except OSError as err:
+        raise UserError(f"cache directory {brief(str(root))} is not writable ({err.strerror or err})") from None
+    try:
         if (final / "index.json").exists():  # another rank built it while we waited
             return final
         aside = final.with_name(f".{final.name}.{os.getpid()}.tmp")
@@ -97,4 +111,6 @@ def default_corpus(seq_len: int = 128, *, max_bytes: int = MAX_BYTES) -> Path:
             os.replace(aside, final)
         finally:
             shutil.rmtree(aside, ignore_errors=True)
+    finally:
+        lock.release()
     return final

@@ -25,6 +25,7 @@ from steadytrain.train.config import TrainConfig
 from steadytrain.train.distributed import DistInfo, barrier, init_distributed, teardown, wrap_model
 from steadytrain.train.metrics import MetricsLog, Progress
 from steadytrain.train.models import build_model
+from steadytrain.train.resume import apply_hyperparameters, hyperparameters
 from steadytrain.train.rundir import RunDir
 from steadytrain.train.setup import (
     RunPlan,
@@ -35,14 +36,26 @@ from steadytrain.train.setup import (
     model_context,
     resolve_plan,
 )
+from steadytrain.train.stop import StopRequest
 
-__all__ = ["TrainingStopped", "train"]
+__all__ = ["Interrupted", "TrainingStopped", "train"]
 
 log = logging.getLogger("steadytrain.train")
 
 
 class TrainingStopped(RuntimeError):
-    """The run stopped before its last step (too many consecutive non-finite steps); the report is written."""
+    """The run failed: it stopped before its last step (too many consecutive non-finite steps), or no
+    step applied an update; the report is written."""
+
+    exit_code = 1
+
+
+class Interrupted(TrainingStopped):
+    """SIGINT/SIGTERM stopped the run at a step boundary; a checkpoint is written, ``--resume`` continues."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 @dataclass
@@ -69,6 +82,11 @@ class Job:
     step_loss: Any = None
     stop_after: int | None = None
     """Stop after this many optimizer steps, the schedule unchanged (``repro`` re-runs a run's first steps)."""
+    lock: Any = None
+    """Rank 0's hold on the run directory (released when the job ends)."""
+    changes: dict[str, list[Any]] = field(default_factory=dict)
+    """What a resume changed in the saved config (``{key: [saved, new]}``)."""
+    stop: StopRequest | None = None
 
 
 def train(
@@ -80,11 +98,15 @@ def train(
     planned total, so the steps taken are exactly the first steps of the full run.
     """
     info = init_distributed(cfg.distributed.backend)
+    job = None
     try:
         job = _build(cfg, info, run_dir, resume)
         job.stop_after = stop_after
-        return _run(job)
+        with StopRequest(info) as job.stop:
+            return _run(job)
     finally:
+        if job is not None and job.lock is not None:
+            job.lock.release()
         teardown(info)
 
 
@@ -103,11 +125,16 @@ def _build(cfg: TrainConfig, info: DistInfo, run_dir: Path | None, resume: Path 
     scaler = torch.amp.GradScaler(info.device.type) if cfg.precision == "fp16" else None
     acc = build_accumulator(cfg, model, optimizer, plan, scaler)
     manifest = runfiles.check_environment(cfg, info)  # before anything is written: a refusal leaves no run dir
-    run = runfiles.prepare(cfg, info, plan, run_dir=run_dir, resume=resume, data=path)
-    runfiles.record_environment(info, run, manifest, resume=resume is not None)
-    job = Job(cfg, info, plan, run, model, optimizer, acc, ds, scaler)
-    if resume is not None:
-        _resume(job)
+    run, lock, changes = runfiles.prepare(cfg, info, plan, run_dir=run_dir, resume=resume, data=path)
+    job = Job(cfg, info, plan, run, model, optimizer, acc, ds, scaler, lock=lock, changes=changes)
+    try:
+        runfiles.record_environment(info, run, manifest, resume=resume is not None)
+        if resume is not None:
+            _resume(job)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
     return job
 
 
@@ -116,8 +143,10 @@ def _resume(job: Job) -> None:
     if path is None:
         raise UserError(f"{job.run.path}: no checkpoint to resume from (checkpoints/ is empty)")
     state = load_checkpoint(path)
+    configured = hyperparameters(job.optimizer)  # the config's settings, before the checkpoint's replace them
     apply_checkpoint(state, job.model, job.optimizer)
     job.acc.scheduler.load_state_dict(state["scheduler"])
+    apply_hyperparameters(job.optimizer, job.acc.scheduler, configured)  # a new LR or schedule applies from here
     job.acc.load_state_dict(state["accumulator"])  # taken at a step boundary: any K (world size) loads it
     if job.scaler is not None and state.get("scaler"):
         job.scaler.load_state_dict(state["scaler"])
@@ -132,6 +161,7 @@ def _resume(job: Job) -> None:
     job.elapsed_before = float(state.get("elapsed_s", 0.0))
     if job.info.is_main:
         runfiles.truncate_logs(job.run, job.step)
+        runfiles.record_resume(job, path.name)
         log.info("resumed %s at step %d from %s", job.run.path, job.step, path.name)
 
 
@@ -157,7 +187,12 @@ def _run(job: Job) -> dict[str, Any]:
         if progress is not None:
             progress.close()
     _checkpoint(job)
+    if not stopped and job.acc.skipped_steps and job.acc.optimizer_steps == 0:
+        stopped = f"no update was applied: every one of the {job.step} optimizer steps was non-finite and skipped"
     summary = runfiles.finish(job, stopped)
+    if job.stop is not None and job.stop.stopped:
+        how = f"resume with: steadytrain train --resume {job.run.path}"
+        raise Interrupted(f"{stopped}; checkpoint written at step {job.step}; {how}", job.stop.exit_code)
     if stopped:
         raise TrainingStopped(stopped)
     return summary
@@ -249,6 +284,8 @@ def _after_step(job: Job, result: Any, loss: torch.Tensor) -> str | None:
     cfg = job.cfg
     if job.step % cfg.run.log_every == 0:
         job.metrics.flush()
+    if job.stop is not None and job.stop.agreed():
+        return f"interrupted by {job.stop.name} at step {job.step}"  # the checkpoint follows (in _run)
     if job.step % cfg.checkpoint.every_steps == 0 and job.step < job.plan.total_steps:
         _checkpoint(job)
     if job.consecutive_skips >= cfg.nonfinite.max_consecutive_skips:
@@ -260,6 +297,10 @@ def _after_step(job: Job, result: Any, loss: torch.Tensor) -> str | None:
 
 
 def _checkpoint(job: Job) -> None:
+    """Write a checkpoint of this step; the step's records reach the disk first (a checkpoint is never
+    newer than ``metrics.jsonl``: a kill after it loses no row a resume would not write again)."""
+    if job.metrics is not None:
+        job.metrics.flush()
     exposure = runfiles.write_exposure(job)
     extra = {
         "scheduler": job.acc.scheduler.state_dict(),

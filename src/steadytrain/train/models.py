@@ -30,7 +30,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from steadytrain._check import check_finite, check_int
 from steadytrain._io import brief
+from steadytrain._text import error_text
 from steadytrain.errors import UserError
 
 __all__ = ["TabularModel", "TargetEncoding", "TinyLM", "build_model"]
@@ -58,6 +60,10 @@ class TinyLM(nn.Module):
 
     def __init__(self, *, dim: int = 128, layers: int = 2, heads: int = 4, seq_len: int = 128) -> None:
         super().__init__()
+        check_int("model.dim", dim, maximum=1 << 16)
+        check_int("model.layers", layers, minimum=0, maximum=1024)
+        check_int("model.heads", heads, maximum=1024)
+        check_int("model.seq_len", seq_len, maximum=1 << 20)
         if dim % heads:
             raise UserError(f"model.dim={dim} must be divisible by model.heads={heads}")
         self.seq_len = seq_len
@@ -120,6 +126,9 @@ class TabularModel(nn.Module):
         target_smoothing: float = 0.0,
     ) -> None:
         super().__init__()
+        check_int("model.hidden", hidden, maximum=1 << 20)
+        check_int("model.embed_dim", embed_dim, maximum=1 << 16)
+        check_finite("model.target_smoothing", target_smoothing, minimum=0.0)
         if oov not in ("error", "bucket"):
             raise UserError(f"model.oov={brief(oov)}: use error (refuse unknown categories) or bucket")
         self.numeric, self.label, self.num_classes, self.oov = list(numeric), label, num_classes, oov
@@ -165,8 +174,14 @@ def _import_factory(spec: str):
     module_name, _, attr = spec.partition(":")
     try:
         module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise UserError(f"model.name={spec!r}: cannot import {module_name!r} ({err}); is it on PYTHONPATH?") from None
+    except ModuleNotFoundError as err:
+        raise UserError(
+            f"model.name={spec!r}: cannot import {module_name!r} ({error_text(err)}); is it on PYTHONPATH?"
+        ) from None
+    except Exception as err:  # the user's module raised while it was imported: their code, their error
+        raise UserError(
+            f"model.name={spec!r}: importing {module_name!r} raised {type(err).__name__}: {error_text(err)}"
+        ) from None
     factory = getattr(module, attr, None)
     if not callable(factory):
         raise UserError(f"model.name={spec!r}: {module_name} has no callable {attr!r}")
@@ -214,9 +229,18 @@ def build_model(name: str, kwargs: dict[str, Any], *, context: dict[str, Any]) -
                 category_counts=context.get("category_counts"),
                 **{"label": "label", **kwargs},
             )
-        model = _import_factory(name)(**kwargs)
+        factory = _import_factory(name)
     except TypeError as err:
-        raise UserError(f"model {name!r}: {err} (check the model section's keys)") from None
+        raise UserError(f"model {name!r}: {error_text(err)} (check the model section's keys)") from None
+    try:
+        model = factory(**kwargs)
+    except UserError:
+        raise
+    except Exception as err:  # the user's factory refused its arguments (or failed): name it and the keys
+        keys = ", ".join(f"{k}={brief(v)}" for k, v in kwargs.items()) or "no keyword arguments"
+        raise UserError(
+            f"model.name={name!r}: the factory raised {type(err).__name__}: {error_text(err)} (called with {keys})"
+        ) from None
     if not isinstance(model, nn.Module):
         raise UserError(f"model.name={name!r}: the factory returned {type(model).__name__}, not a torch.nn.Module")
     return model

@@ -10,16 +10,19 @@ per optimizer step), ``nonfinite.jsonl`` (one line per rank per refused step), `
 from __future__ import annotations
 
 import json
+import os
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
+from filelock import FileLock, Timeout
 
-from steadytrain._io import write_text_atomic
+from steadytrain._io import brief, read_text, utc_now, write_text_atomic
 from steadytrain.errors import UserError
 
-__all__ = ["RunDir", "claim_run_dir", "open_run_dir"]
+__all__ = ["RunDir", "claim_run_dir", "exists_error", "lock_run", "open_run_dir"]
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,8 @@ class RunDir:
     data = property(lambda self: self.path / "data.json")
     checkpoints = property(lambda self: self.path / "checkpoints")
     summary = property(lambda self: self.path / "summary.md")
+    resumes = property(lambda self: self.path / "resumes.jsonl")
+    lock = property(lambda self: self.path / ".lock")
 
     def write_json(self, path: Path, data: Any) -> None:
         write_text_atomic(path, json.dumps(data, indent=2, allow_nan=False, default=str) + "\n")
@@ -45,18 +50,30 @@ class RunDir:
         write_text_atomic(self.config, yaml.safe_dump(config, sort_keys=False, allow_unicode=True))
 
 
+def exists_error(path: Path) -> UserError:
+    """The error for a run directory that exists already (never overwritten)."""
+    return UserError(
+        f"run directory {path} exists: resume it with --resume {path}, or choose another run.name or --run-dir"
+    )
+
+
 def claim_run_dir(path: Path) -> RunDir:
     """Create a new run directory; an existing one is never overwritten (one ``mkdir`` decides, also
     between two processes started at once)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise UserError(f"run directory {brief(str(path))}: a parent is a file, not a directory") from None
+    except OSError as err:
+        raise UserError(f"run directory {brief(str(path))}: cannot be created ({err.strerror or err})") from None
     try:
         path.mkdir()
     except FileExistsError:
-        raise UserError(
-            f"run directory {path} exists: resume it with --resume {path}, or choose another run.name or --run-dir"
-        ) from None
+        raise exists_error(path) from None
     except NotADirectoryError:
         raise UserError(f"run directory {path}: a parent is a file, not a directory") from None
+    except OSError as err:  # a name too long, a read-only or full disk
+        raise UserError(f"run directory {brief(str(path))}: cannot be created ({err.strerror or err})") from None
     run = RunDir(path)
     run.checkpoints.mkdir()
     return run
@@ -70,3 +87,32 @@ def open_run_dir(path: Path) -> RunDir:
     if not run.config.is_file():
         raise UserError(f"{path}: not a steadytrain run directory (no config.yaml)")
     return run
+
+
+def _owner(run: RunDir) -> str:
+    try:
+        return read_text(run.path / ".lock.owner", what="lock owner", max_bytes=4096).strip() or "another process"
+    except UserError:
+        return "another process"
+
+
+def lock_run(run: RunDir) -> FileLock:
+    """Hold ``run`` for this process: a second writer (two resumes at once) gets one clear error.
+
+    The lock is an ``flock`` on ``RUN/.lock``, which the kernel releases when its process dies, so a
+    kill -9 never leaves a stale lock behind; ``RUN/.lock.owner`` says who holds it. Release it with
+    ``.release()`` when the run is done.
+    """
+    lock = FileLock(run.lock, timeout=0)
+    try:
+        lock.acquire()
+    except Timeout:
+        raise UserError(
+            f"{run.path}: the run is being written by {_owner(run)}: wait for it to finish (or stop it) "
+            "before resuming it again"
+        ) from None
+    except OSError as err:
+        raise UserError(f"{run.path}: cannot lock the run directory ({err.strerror or err})") from None
+    owner = f"pid {os.getpid()} on {socket.gethostname()} since {utc_now()}"
+    write_text_atomic(run.path / ".lock.owner", owner + "\n")
+    return lock

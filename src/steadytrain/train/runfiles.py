@@ -16,10 +16,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from steadytrain._io import write_text_atomic
+from steadytrain._io import load_json, load_yaml, read_jsonl, write_text_atomic
+from steadytrain._text import md
 from steadytrain.errors import UserError
 from steadytrain.train.distributed import DistInfo, barrier
-from steadytrain.train.rundir import RunDir, claim_run_dir, open_run_dir
+from steadytrain.train.rundir import RunDir, claim_run_dir, lock_run, open_run_dir
 
 if TYPE_CHECKING:
     from steadytrain.train.config import TrainConfig
@@ -42,22 +43,49 @@ def agree(info: DistInfo, error: str | None) -> None:
 
 def prepare(
     cfg: TrainConfig, info: DistInfo, plan: RunPlan, *, run_dir: Path | None, resume: Path | None, data: Path
-) -> RunDir:
-    """The run directory: claimed new by rank 0 (never overwritten), or the one to resume."""
-    if resume is not None:
-        return open_run_dir(resume)
-    path = Path(run_dir) if run_dir is not None else Path(cfg.run.dir) / cfg.run.name
-    error = None
+) -> tuple[RunDir, Any, dict[str, list[Any]]]:
+    """The run directory, locked by rank 0 for the run's lifetime: claimed new (never overwritten), or
+    the one to resume with what the resume changes (refused in one line if it cannot be honoured).
+
+    Returns ``(run, lock, changes)``; ``lock`` is None on other ranks (release it when done).
+    """
+    error, lock, changes = None, None, {}
+    path = Path(resume or run_dir or Path(cfg.run.dir) / cfg.run.name)
     if info.is_main:
         try:
-            run = claim_run_dir(path)
-            run.write_config(cfg.to_dict())
-            run.write_json(run.plan, {**plan.to_dict(), "data": str(data)})
-            run.write_json(run.data, describe_data(data))
+            if resume is not None:
+                run = open_run_dir(path)
+                lock = lock_run(run)
+                changes = _resume_changes(cfg, plan, run)
+            else:
+                run = claim_run_dir(path)
+                lock = lock_run(run)
+                run.write_config(cfg.to_dict())
+                run.write_json(run.plan, {**plan.to_dict(), "data": str(data)})
+                run.write_json(run.data, describe_data(data))
         except UserError as err:
             error = str(err)
+            if lock is not None:
+                lock.release()
     agree(info, error)
-    return RunDir(path)
+    return RunDir(path), lock, changes
+
+
+def _resume_changes(cfg: TrainConfig, plan: RunPlan, run: RunDir) -> dict[str, list[Any]]:
+    """What ``cfg`` changes in the run's saved config; a UserError for what a resume cannot honour."""
+    from steadytrain.train.checkpoint import list_checkpoints
+    from steadytrain.train.resume import config_changes, refuse_changes
+
+    found = list_checkpoints(run.checkpoints)
+    if not found:
+        raise UserError(f"{run.path}: no checkpoint to resume from (checkpoints/ is empty)")
+    saved = load_yaml(run.config, what="run config")
+    saved_plan = load_json(run.plan, what="batch plan") if run.plan.exists() else {}
+    if not isinstance(saved, dict) or not isinstance(saved_plan, dict):
+        raise UserError(f"{run.path}: config.yaml or plan.json is not a mapping: the run directory is damaged")
+    changes = config_changes(saved, cfg.to_dict())
+    refuse_changes(changes, saved_plan, plan.to_dict(), found[-1][0], str(run.path))
+    return changes
 
 
 def describe_data(path: Path, max_odd: int = 100) -> dict[str, Any]:
@@ -114,16 +142,28 @@ def record_environment(info: DistInfo, run: RunDir, manifest: Any, *, resume: bo
 
 
 def truncate_logs(run: RunDir, step: int) -> None:
-    """Drop log lines past ``step`` (written after the checkpoint a resume starts from)."""
+    """Drop log lines past ``step`` (written after the checkpoint a resume starts from) and a torn last line."""
     for path in (run.metrics, run.nonfinite):
         if not path.exists():
             continue
-        keep = [
-            line
-            for line in path.read_text().splitlines(keepends=True)
-            if line.strip() and json.loads(line)["step"] <= step
-        ]
-        write_text_atomic(path, "".join(keep))
+        rows = read_jsonl(path, what=path.name)
+        keep = [r for _, r in rows if not (isinstance(r, dict) and isinstance(r.get("step"), int) and r["step"] > step)]
+        write_text_atomic(path, "".join(json.dumps(r, allow_nan=False) + "\n" for r in keep))
+
+
+def record_resume(job: Job, checkpoint: str) -> None:
+    """Rank 0: ``resumes.jsonl`` gets this resume; ``config.yaml`` and ``plan.json`` the values now in force."""
+    from steadytrain.train.resume import record_resume as append
+
+    append(job.run, step=job.step, world_size=job.info.world_size, checkpoint=checkpoint, changes=job.changes)
+    saved = load_json(job.run.plan, what="batch plan") if job.run.plan.exists() else {}
+    plan = {**job.plan.to_dict(), "data": saved.get("data") if isinstance(saved, dict) else None}
+    if job.changes:
+        job.run.write_config(job.cfg.to_dict())
+        for key, (old, new) in job.changes.items():
+            log.warning("resume: %s changed from %r to %r (applied from step %d)", key, old, new, job.step + 1)
+    if saved != plan:
+        job.run.write_json(job.run.plan, plan)
 
 
 def log_start(job: Job) -> None:
@@ -224,7 +264,7 @@ def finish(job: Job, stopped: str | None) -> dict[str, Any]:
     if job.info.is_main:
         p = job.plan
         lines = [
-            f"# Run {job.run.path.name}",
+            f"# Run {md(job.run.path.name)}",
             "",
             f"- effective batch {p.global_batch_size} = micro {p.micro_batch_size} x accumulation "
             f"{p.accumulation_steps} x world {p.world_size}; peak LR {p.lr:.4g} ({p.scaling_rule} rule)",
@@ -232,13 +272,14 @@ def finish(job: Job, stopped: str | None) -> dict[str, Any]:
             f"- final loss {summary['final_loss']}, wall time {summary['elapsed_s']} s",
         ]
         if stopped:
-            lines.append(f"- stopped early: {stopped}")
+            lines.append(f"- stopped early: {md(stopped)}")
         if sentence := _nonfinite_report(job):
-            lines.append(f"- non-finite steps: {sentence} (nonfinite_report.json)")
+            lines.append(f"- non-finite steps: {md(sentence)} (nonfinite\\_report.json)")
         write_text_atomic(job.run.summary, "\n".join(lines) + "\n")
         _report(job, stopped)
         log.info(
-            "done: %d steps (%d skipped), final loss %s, %.1f s; run directory %s",
+            "%s: %d steps (%d skipped), final loss %s, %.1f s; run directory %s",
+            "stopped" if stopped else "done",
             job.step,
             job.acc.skipped_steps,
             summary["final_loss"],

@@ -1,0 +1,126 @@
+"""What a resume may change, how a change is applied, and where it is recorded.
+
+``steadytrain train --resume RUN --set key=value`` never ignores a setting. The checkpoint's
+optimizer and scheduler states would silently override a new LR, weight decay or schedule; instead
+the new config's hyper-parameters are applied from the resume step on. A setting the checkpoint
+cannot honour (another model, data, seed, optimizer or global batch) is refused in one line.
+Every resume appends a line to ``resumes.jsonl`` (step, world size, what changed) and rewrites
+``config.yaml`` and ``plan.json`` when they changed, so the summary never says "8 of 4 planned".
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from steadytrain._io import append_jsonl, brief, utc_now
+from steadytrain.errors import UserError
+
+__all__ = ["apply_hyperparameters", "config_changes", "flatten", "hyperparameters", "record_resume", "refuse_changes"]
+
+_REFUSED = {
+    "model.": "the checkpoint's weights belong to the model it was saved from",
+    "data.": "the data position in the checkpoint belongs to that dataset and order",
+    "optim.name": "the optimizer state belongs to the optimizer it was saved from",
+    "run.seed": "the data order and the random streams follow the seed",
+    "run.name": "a resumed run stays in its own directory",
+    "run.dir": "a resumed run stays in its own directory",
+}
+
+
+def flatten(value: Any, prefix: str = "") -> dict[str, Any]:
+    """Nested mappings as ``{"a.b": leaf}`` (lists are leaves).
+
+    Example:
+        >>> flatten({"batch": {"base_lr": 0.01, "betas": [0.9, 0.95]}, "precision": "fp32"})
+        {'batch.base_lr': 0.01, 'batch.betas': [0.9, 0.95], 'precision': 'fp32'}
+    """
+    if not isinstance(value, dict):
+        return {prefix: value}
+    out: dict[str, Any] = {}
+    for key, child in value.items():
+        name = f"{prefix}.{key}" if prefix else str(key)
+        if isinstance(child, dict) and child:
+            out.update(flatten(child, name))
+        else:
+            out[name] = child
+    return out
+
+
+def config_changes(saved: dict[str, Any], new: dict[str, Any]) -> dict[str, list[Any]]:
+    """``{key: [saved, new]}`` for every leaf that differs (lists and tuples compare as lists).
+
+    Example:
+        >>> config_changes({"batch": {"base_lr": 0.003}}, {"batch": {"base_lr": 0.5}})
+        {'batch.base_lr': [0.003, 0.5]}
+    """
+    a, b = flatten(saved), flatten(new)
+
+    def plain(v: Any) -> Any:
+        return list(v) if isinstance(v, tuple) else v
+
+    return {k: [a.get(k), b.get(k)] for k in sorted(a.keys() | b.keys()) if plain(a.get(k)) != plain(b.get(k))}
+
+
+def refuse_changes(
+    changes: dict[str, list[Any]], saved_plan: dict[str, Any], plan: dict[str, Any], step: int, run: str
+) -> None:
+    """A UserError for the first change a resume from optimizer ``step`` cannot honour."""
+    for key, (old, new) in changes.items():
+        why = next((w for prefix, w in _REFUSED.items() if key == prefix or key.startswith(prefix)), None)
+        if why is None and key == "precision" and "fp16" in (old, new):
+            why = "fp16 keeps a loss-scaler state that the other precisions do not have"
+        if why:
+            raise UserError(
+                f"--resume {run}: {key} cannot change ({brief(old)} -> {brief(new)}) because {why}; "
+                "start a new run to change it"
+            )
+    old_g, new_g = saved_plan.get("global_batch_size"), plan.get("global_batch_size")
+    if old_g is not None and old_g != new_g:
+        raise UserError(
+            f"--resume {run}: the global batch cannot change ({old_g} -> {new_g}): the data position counts "
+            "global batches; keep batch.global_batch_size (micro batch and world size may change)"
+        )
+    total = plan.get("total_steps")
+    if total is not None and total <= step:
+        raise UserError(
+            f"--resume {run}: the run is at optimizer step {step} and plans {total}: nothing to do; extend it "
+            f"with --set run.max_steps=N (N > {step})"
+        )
+
+
+def hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """Every param group's settings but its parameters, as the config built them (before a load)."""
+    return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+
+
+def apply_hyperparameters(
+    optimizer: torch.optim.Optimizer, scheduler: Any, groups: list[dict[str, Any]]
+) -> list[float]:
+    """Put the config's settings back after a checkpoint's optimizer/scheduler state replaced them.
+
+    Each group gets its configured settings and peak LR (``initial_lr``, the scheduler's base); its
+    LR is then the new schedule's at the checkpoint's step: ``peak x multiplier(step)``, the same
+    formula (and float) as a run that never stopped. Returns the LRs set.
+    """
+    if len(groups) != len(optimizer.param_groups):
+        raise UserError(
+            f"checkpoint has {len(optimizer.param_groups)} parameter groups, this config builds {len(groups)}"
+        )
+    for group, fresh in zip(optimizer.param_groups, groups, strict=True):
+        group.update(fresh)
+    scheduler.base_lrs = [g["initial_lr"] for g in groups]
+    lrs = [base * f(scheduler.last_epoch) for base, f in zip(scheduler.base_lrs, scheduler.lr_lambdas, strict=True)]
+    for group, lr in zip(optimizer.param_groups, lrs, strict=True):
+        group["lr"] = lr
+    scheduler._last_lr = list(lrs)  # what get_last_lr() reports
+    return lrs
+
+
+def record_resume(run: Any, *, step: int, world_size: int, checkpoint: str, changes: dict[str, list[Any]]) -> None:
+    """Append this resume to ``RUN/resumes.jsonl`` (one write and fsync)."""
+    append_jsonl(
+        run.resumes,
+        {"step": step, "time": utc_now(), "world_size": world_size, "checkpoint": checkpoint, "changes": changes},
+    )
