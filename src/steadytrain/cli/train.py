@@ -87,7 +87,7 @@ def train(
         run_training(cfg, run_dir=Path(run_dir) if run_dir else None, resume=Path(resume) if resume else None)
     except TrainingStopped as err:
         click.echo(f"stopped: {err}", err=True)
-        raise click.exceptions.Exit(1) from None
+        raise click.exceptions.Exit(err.exit_code) from None
 
 
 @click.group("config")
