@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import logging
+import sys
+
 from rich.console import Console
 
+from steadytrain._text import one_line
 from steadytrain.errors import UserError
 
 # markup=False, highlight=False: data values (provenance, paths, field names) are printed verbatim,
@@ -11,4 +15,19 @@ from steadytrain.errors import UserError
 console = Console(markup=False, highlight=False, emoji=False)
 err_console = Console(stderr=True, markup=False, highlight=False, emoji=False)
 
-__all__ = ["UserError", "console", "err_console"]
+__all__ = ["UserError", "console", "err_console", "log_handler"]
+
+
+class _OneLine(logging.Formatter):
+    """Every log record on one line: a run directory or data value holding a newline or a terminal
+    escape sequence is shown escaped, never interpreted by the terminal."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return one_line(super().format(record))
+
+
+def log_handler(prefix: str = "") -> logging.Handler:
+    """The stderr handler every command logs through."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_OneLine(f"{prefix}%(message)s"))
+    return handler

@@ -9,17 +9,14 @@ import sys
 import click
 import yaml
 
-from steadytrain.cli._common import console
+from steadytrain.cli._common import console, log_handler
 
 
 def _setup_logging() -> None:
     """Rank 0 logs progress at INFO; other ranks only warnings, tagged with their rank."""
     rank = os.environ.get("RANK", "0")
-    handler = logging.StreamHandler(sys.stderr)
-    prefix = "" if rank == "0" else f"[rank {rank}] "
-    handler.setFormatter(logging.Formatter(f"{prefix}%(message)s"))
     root = logging.getLogger("steadytrain")
-    root.handlers[:] = [handler]
+    root.handlers[:] = [log_handler("" if rank == "0" else f"[rank {rank}] ")]
     root.setLevel(logging.INFO if rank == "0" else logging.WARNING)
     root.propagate = False
 

@@ -66,6 +66,12 @@ def save_checkpoint(
     return path
 
 
+def _older(path: Path) -> str:
+    """How to fall back to the checkpoint before ``path``, when there is one."""
+    before = [p for _, p in list_checkpoints(path.parent) if p.name < path.name]
+    return f"; move it away to resume from {before[-1].name}" if before and _NAME.match(path.name) else ""
+
+
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
     """A checkpoint's contents (tensors and plain containers only), or a UserError naming the file."""
     path = Path(path)
@@ -73,8 +79,14 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
         raise UserError(f"{path}: no such checkpoint file")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError) as err:
-        raise UserError(f"{path}: not a loadable steadytrain checkpoint ({error_text(err, 240)})") from None
+    except pickle.UnpicklingError:  # torch's advice (weights_only=False) would run the file's code: never
+        raise UserError(
+            f"{path}: not a steadytrain checkpoint (not a torch.save file of tensors and plain containers, the "
+            f"only thing ever loaded){_older(path)}"
+        ) from None
+    except (RuntimeError, EOFError, ValueError, OSError) as err:
+        why = error_text(err, 120)
+        raise UserError(f"{path}: not a loadable steadytrain checkpoint ({why}){_older(path)}") from None
     if not isinstance(state, dict) or not {"step", "model", "optimizer"} <= set(state):
         raise UserError(f"{path}: not a steadytrain checkpoint (no step/model/optimizer)")
     return state
