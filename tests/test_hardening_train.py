@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -305,3 +306,61 @@ def test_nproc_with_a_bad_config_says_so_once_before_starting_ranks(tmp_path):
         proc = run_cli("train", "--nproc", "2", "--run-dir", str(tmp_path / "r"), *sets(item), timeout=120)
         assert_user_error(proc, word)
         assert "torch.distributed" not in proc.stderr
+
+
+def test_a_run_directory_with_a_newline_and_markup_stays_inert_in_logs_and_summary(tmp_path, data):
+    run = tmp_path / "ok\n## INJECTED <img src=x onerror=alert(1)>"
+    proc = run_cli("train", "--run-dir", str(run), *sets(*TINY, f"data.path={data}", "run.max_steps=2"))
+    assert proc.returncode == 0, proc.stderr
+    assert not [line for line in proc.stderr.splitlines() if line.startswith("## INJECTED")]
+    summary = (run / "summary.md").read_text()
+    assert [line for line in summary.splitlines() if line.startswith("#")] == [summary.splitlines()[0]]
+    assert "<img" not in summary
+
+
+def test_checkpoint_load_errors_name_the_parameter_and_the_way_back(tmp_path):
+    import torch
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from steadytrain.errors import UserError
+    from steadytrain.train.checkpoint import apply_checkpoint, load_checkpoint, save_checkpoint
+
+    def stepped(n_in: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        m = torch.nn.Linear(n_in, 2)
+        o = torch.optim.AdamW(m.parameters())
+        m(torch.ones(1, n_in)).sum().backward()
+        o.step()
+        return m, o
+
+    saved_model, saved_opt = stepped(4)
+    model, opt = stepped(3)
+    state = dict(zip(("model", "optimizer"), get_state_dict(saved_model, saved_opt), strict=True))
+    with pytest.raises(UserError, match=r"size mismatch for weight.*\[2, 4\].*\[2, 3\]"):
+        apply_checkpoint(state, model, opt)
+    ckpt = tmp_path / "checkpoints"
+    save_checkpoint(ckpt, 2, model=model, optimizer=opt, extra={}, is_main=True, keep_last=5)
+    (ckpt / "step-00000004.pt").write_text("not a checkpoint")
+    with pytest.raises(UserError, match=re.escape("move it away to resume from step-00000002.pt")) as err:
+        load_checkpoint(ckpt / "step-00000004.pt")
+    assert "weights_only" not in str(err.value)
+
+
+@pytest.mark.distributed
+def test_ctrl_c_on_nproc_stops_every_rank_with_a_checkpoint_and_no_traceback(tmp_path, model_dir, data):
+    run = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(model_dir), **_pause(tmp_path, 2, world=2)}
+    cmd = [EXE, "train", "--nproc", "2", "--run-dir", str(run)]
+    cmd += _args(data, "run.max_steps=8", "checkpoint.every_steps=100")
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_for(tmp_path / "reached-0", proc)
+    _wait_for(tmp_path / "reached-1", proc)
+    proc.send_signal(signal.SIGINT)  # the launcher, as a terminal's Ctrl-C: torchrun passes it on
+    time.sleep(0.3)
+    (tmp_path / "go").touch()
+    _, err = proc.communicate(timeout=180)
+    assert proc.returncode == 130, err[-3000:]
+    assert "Traceback" not in err
+    assert err.count(f"resume with: steadytrain train --resume {run}") == 1
+    (saved,) = [p.name for p in (run / "checkpoints").iterdir()]
+    assert saved in ("step-00000002.pt", "step-00000003.pt")  # the agreement is read one boundary later
+    assert [r["step"] for r in _rows(run)] == list(range(1, int(saved[5:13]) + 1))

@@ -22,7 +22,15 @@ def _setup_logging() -> None:
 
 
 def _handoff(nproc: int, argv: list[str]) -> None:
-    """``--nproc N``: re-run this command under ``torch.distributed.run`` on this node (never returns)."""
+    """``--nproc N``: run this command under torchrun on this node, in this process (never returns).
+
+    A Ctrl-C reaches torchrun, which passes it to every rank: the ranks stop with a checkpoint and
+    say how to resume; torchrun's own report of the signal is not printed as a traceback.
+    """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun
+
     rest, skip = [], False
     for a in argv:
         if skip:
@@ -31,10 +39,15 @@ def _handoff(nproc: int, argv: list[str]) -> None:
             skip = True
         elif not a.startswith("--nproc="):
             rest.append(a)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    cmd += ["-m", "steadytrain", *rest]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    os.execv(sys.executable, cmd)
+    try:
+        torchrun(["--standalone", f"--nproc-per-node={nproc}", "-m", "steadytrain", *rest])
+    except SignalException as err:
+        raise click.exceptions.Exit(128 + int(err.sigval)) from None
+    except ChildFailedError as err:  # the ranks printed why; torchrun's summary is above
+        _, failure = err.get_first_failure()
+        raise click.exceptions.Exit(failure.exitcode if 0 < failure.exitcode < 256 else 1) from None
+    raise click.exceptions.Exit(0)
 
 
 @click.command()
@@ -83,7 +96,8 @@ def train(
     try:
         run_training(cfg, run_dir=Path(run_dir) if run_dir else None, resume=Path(resume) if resume else None)
     except TrainingStopped as err:
-        click.echo(f"stopped: {err}", err=True)
+        if os.environ.get("RANK", "0") == "0":  # every rank stops for the same reason: say it once
+            click.echo(f"stopped: {err}", err=True)
         raise click.exceptions.Exit(err.exit_code) from None
 
 
