@@ -311,7 +311,7 @@ def _loss(model: nn.Module) -> torch.Tensor:
         ({"optimizer": "sgd"}, "optimizer"),
         ({"scheduler": 3}, "scheduler"),
         ({"grad_scaler": 3}, "grad_scaler"),
-        ({"norm_type": "2"}, "norm_type"),
+        ({"norm_type": b"2"}, "norm_type"),  # the string "2" is taken, as torch takes it
         ({"norm_type": torch.tensor(2.0)}, "norm_type"),
     ],
 )
@@ -434,7 +434,7 @@ def test_clip_given_no_tensors_is_a_user_error(params):
         clip_grad_global_norm_(params, 1.0)
 
 
-@pytest.mark.parametrize("norm_type", ["2", "inf", torch.tensor(2.0), None, [2]])
+@pytest.mark.parametrize("norm_type", ["two", b"inf", torch.tensor(2.0), None, [2]])  # "2" and "inf" are taken
 def test_norm_type_must_be_a_number(norm_type):
     with pytest.raises(UserError, match="norm_type"):
         global_grad_norm(_with_grads().parameters(), norm_type)

@@ -15,6 +15,7 @@ from steadytrain.clip import (
     clip_grad_value_,
     global_grad_norm,
 )
+from steadytrain.errors import UserError
 
 
 def params_with_grads(grads: list[torch.Tensor]) -> list[torch.nn.Parameter]:
@@ -98,6 +99,39 @@ def test_matches_torch_clip_grad_norm(norm_type, max_norm):
     torch.testing.assert_close(norm, torch_norm, rtol=1e-6, atol=0)
     for a, b in zip(ours, theirs, strict=True):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=1e-12)
+
+
+# torch.nn.utils takes ``norm_type`` as a float or a string ("inf" in its own tests): the same spellings here.
+TORCH_SPELLINGS = ["inf", "Infinity", "2", "2.0", " 3 ", "0.5", "1e0", 3]
+
+
+@pytest.mark.parametrize("norm_type", TORCH_SPELLINGS)
+@pytest.mark.parametrize("max_norm", [1e-3, 1e9])
+def test_norm_type_spelled_as_torch_takes_it_matches_torch(norm_type, max_norm):
+    ours, theirs = random_params(3), random_params(3)
+    norm = clip_grad_global_norm_(ours, max_norm, norm_type=norm_type)
+    torch_norm = torch.nn.utils.clip_grad_norm_(theirs, max_norm, norm_type=norm_type)
+    torch.testing.assert_close(norm, torch_norm, rtol=1e-6, atol=0)
+    for a, b in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=1e-12)
+    grads = [p.grad for p in random_params(4)]
+    want = torch.nn.utils.get_total_norm(grads, norm_type=norm_type)
+    torch.testing.assert_close(global_grad_norm(params_with_grads(grads), norm_type), want, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize(
+    "norm_type",
+    [True, False, "abc", "", "l2", None, math.nan, "nan", b"2", [2], torch.tensor(2.0), 0, "0", -1.0, "-2",
+     -math.inf, "-inf", pytest.param(10**400, id="int-beyond-float")],
+)  # fmt: skip
+@pytest.mark.parametrize("fn", [global_grad_norm, lambda ps, nt: clip_grad_global_norm_(ps, 1.0, norm_type=nt)])
+def test_norm_type_that_is_not_a_number_or_not_a_norm_is_one_line_user_error(fn, norm_type):
+    params = seed_params()
+    with pytest.raises(UserError, match="norm_type") as err:
+        fn(params, norm_type)
+    assert "\n" not in str(err.value) and len(str(err.value)) < 300
+    # Refused before anything is touched.
+    torch.testing.assert_close([p.grad for p in params], [p.grad for p in seed_params()], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("norm_type", [1.0, 2.0, math.inf])

@@ -35,6 +35,7 @@ def single_process_reference(world_size: int, max_norm: float) -> dict:
     nn.functional.mse_loss(model(x), y).backward()
     params = list(model.parameters())
     out = {f"norm{p}": torch.nn.utils.get_total_norm([q.grad for q in params], p) for p in NORM_TYPES}
+    out["norm'inf'"] = torch.nn.utils.get_total_norm([q.grad for q in params], "inf")  # torch's own spelling
     out["per_param"] = [q.grad.norm() for q in params]
     torch.nn.utils.clip_grad_norm_(params, max_norm)
     out["clipped"] = [q.grad.clone() for q in params]
@@ -63,6 +64,7 @@ def fsdp_worker(rank: int, world_size: int, out, max_norm: float) -> None:
     mesh = init_device_mesh("cpu", (world_size,))
     params = sharded_backward(mesh, rank, world_size)
     result = {f"norm{p}": global_grad_norm(params, p) for p in NORM_TYPES}
+    result["norm'inf'"] = global_grad_norm(params, "inf")  # the max over shards, spelled as torch takes it
     # What a per-shard norm would have given (the bug users report): differs by rank.
     result["local_shard_norm"] = torch.linalg.vector_norm(torch.stack([q.grad.to_local().norm() for q in params]))
     # A second sharded copy for per-parameter clipping.
@@ -78,7 +80,7 @@ def test_fsdp2_global_norm_equals_single_process(tmp_path):
     ref = single_process_reference(world_size, max_norm)
     results = load_all(tmp_path, world_size)
     for r in results:
-        for p in NORM_TYPES:
+        for p in (*NORM_TYPES, "'inf'"):
             torch.testing.assert_close(r[f"norm{p}"], ref[f"norm{p}"], rtol=1e-5, atol=0)
         torch.testing.assert_close(r["pre_clip"], ref["norm2.0"], rtol=1e-5, atol=0)
         torch.testing.assert_close(torch.stack(r["per_param"]), torch.stack(ref["per_param"]), rtol=1e-5, atol=0)
@@ -118,6 +120,7 @@ def pipeline_worker(rank: int, world_size: int, out, max_norm: float) -> None:
     # Each "stage" holds a different, disjoint slice of the parameters.
     stage_params = params[rank::world_size]
     result = {f"norm{p}": global_grad_norm(stage_params, p, process_group=dist.group.WORLD) for p in NORM_TYPES}
+    result["norm'inf'"] = global_grad_norm(stage_params, "inf", process_group=dist.group.WORLD)
     result["stage_only"] = global_grad_norm(stage_params)
     result["pre_clip"] = clip_grad_global_norm_(stage_params, max_norm, process_group=dist.group.WORLD)
     result["clipped"] = {i: params[i].grad for i in range(rank, len(params), world_size)}
@@ -130,7 +133,7 @@ def test_pipeline_stages_summed_through_process_group(tmp_path):
     ref = single_process_reference(world_size, max_norm)
     results = load_all(tmp_path, world_size)
     for r in results:
-        for p in NORM_TYPES:
+        for p in (*NORM_TYPES, "'inf'"):
             torch.testing.assert_close(r[f"norm{p}"], ref[f"norm{p}"], rtol=1e-5, atol=0)
         assert float(r["stage_only"]) < float(ref["norm2.0"])
         for i, g in r["clipped"].items():

@@ -78,15 +78,23 @@ def _local(grad: Tensor) -> Tensor:
     return grad.to_local()  # under no_grad: the local tensor itself, so in-place ops reach the DTensor
 
 
-def _check_norm_type(norm_type: float) -> float:
-    """``norm_type`` as a float p > 0 (``inf`` allowed); NaN, 0, negatives, strings, tensors are refused."""
+def _check_norm_type(norm_type: float | str) -> float:
+    """``norm_type`` as a float p > 0 or ``inf``, spelled as torch's ``clip_grad_norm_`` takes it.
+
+    A real number or a string that parses as one (``"inf"``, ``"2"``, ``"2.0"``), as torch accepts;
+    refused: bools, tensors, other types, strings that are not numbers, NaN, and the values that are
+    not norms (0, negatives, ``-inf``: torch computes a count or the smallest magnitude for them).
+    """
+    number = isinstance(norm_type, str) or (isinstance(norm_type, numbers.Real) and not isinstance(norm_type, bool))
     try:
-        real = isinstance(norm_type, numbers.Real) and not isinstance(norm_type, bool)
-        p = float(norm_type) if real else math.nan
-    except (TypeError, ValueError, OverflowError):
-        p = math.nan
+        p = float(norm_type) if number else None
+    except (ValueError, OverflowError):  # "abc"; an int beyond float range
+        p = None
+    if p is None:
+        kind = "" if isinstance(norm_type, str) else f" ({type(norm_type).__name__})"
+        raise UserError(f"norm_type={brief(norm_type)}{kind} is not a number: use 2.0 for L2 or 'inf' for max-abs")
     if not p > 0:  # NaN fails too
-        raise UserError(f"norm_type={norm_type!r} is not supported: use a p > 0 (2.0 for L2) or float('inf')")
+        raise UserError(f"norm_type={brief(norm_type)} is not a norm: use a p > 0 (2.0 for L2) or 'inf'")
     return p
 
 
@@ -147,7 +155,7 @@ def _per_tensor_norms(grads: list[Tensor], norm_type: float) -> Tensor:
 
 @torch.no_grad()
 def global_grad_norm(
-    parameters: Parameters, norm_type: float = 2.0, process_group: dist.ProcessGroup | None = None
+    parameters: Parameters, norm_type: float | str = 2.0, process_group: dist.ProcessGroup | None = None
 ) -> Tensor:
     """The norm of all gradients combined, as if every element were in one vector.
 
@@ -159,7 +167,8 @@ def global_grad_norm(
     Args:
         parameters: a tensor or an iterable of tensors whose ``.grad`` is read. Parameters with no
             gradient are skipped.
-        norm_type: ``p`` of the p-norm (``2.0`` for L2, ``float('inf')`` for max-abs).
+        norm_type: ``p`` of the p-norm (``2.0`` for L2, ``float('inf')`` for max-abs), or a string
+            that parses as one (``"inf"``, ``"2"``), as ``torch.nn.utils.clip_grad_norm_`` takes it.
         process_group: an extra group to sum over, e.g. pipeline stages that each hold different
             parameters. Each rank passes only its own parameters.
 
@@ -169,7 +178,8 @@ def global_grad_norm(
         norm: the caller decides what to do.
 
     Raises:
-        UserError: ``norm_type`` is not positive (NaN, 0, negative; a ``ValueError``).
+        UserError: ``norm_type`` is not a number (or a string of one) or not positive (NaN, 0,
+            negative, ``-inf``); a ``ValueError``.
 
     References:
         Pascanu, Mikolov, Bengio 2013, "On the difficulty of training recurrent neural networks".
@@ -276,7 +286,7 @@ def clip_grad_global_norm_(
     max_norm: float,
     *,
     eps: float = 1e-6,
-    norm_type: float = 2.0,
+    norm_type: float | str = 2.0,
     process_group: dist.ProcessGroup | None = None,
 ) -> Tensor:
     """Scale every gradient by the same factor so that the global norm is at most ``max_norm``.
@@ -290,15 +300,16 @@ def clip_grad_global_norm_(
         parameters: a tensor or an iterable of tensors whose ``.grad`` is clipped in place.
         max_norm: the largest allowed global norm.
         eps: added to the norm so that an all-zero gradient does not divide by zero.
-        norm_type: ``p`` of the p-norm, or ``float('inf')``.
+        norm_type: ``p`` of the p-norm, or ``float('inf')``; a string that parses as one (``"inf"``,
+            ``"2.0"``) too, as in ``torch.nn.utils.clip_grad_norm_``.
         process_group: see :func:`global_grad_norm`.
 
     Returns:
         The global norm before clipping (0-dim float32 tensor).
 
     Raises:
-        UserError: ``max_norm`` or ``eps`` is negative or not finite, or ``norm_type`` is not positive
-            (a ``ValueError``).
+        UserError: ``max_norm`` or ``eps`` is negative or not finite, or ``norm_type`` is not a number
+            (or a string of one) or not positive (a ``ValueError``).
 
     References:
         Pascanu et al. 2013; the seed's ``clip_grad_global_norm`` (``steadytrain.reference``).

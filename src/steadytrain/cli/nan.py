@@ -32,7 +32,10 @@ def _print_report(rep: Any, limit: int = 5) -> None:
 
 def _print_hunt(h: Any) -> None:
     click.echo(h.sentence)
-    click.echo(f"  checkpoint: {h.checkpoint} (step {h.checkpoint_step})")
+    if h.checkpoint is not None:
+        click.echo(f"  checkpoint: {h.checkpoint} (step {h.checkpoint_step})")
+    elif h.checkpoint_step == 0:
+        click.echo("  weights: the run's initial weights (rebuilt from run.seed), as before step 1")
     if h.note:
         click.echo(f"  note: {h.note}")
     if h.step is not None:

@@ -61,8 +61,11 @@ class HuntReport:
     fields: list[dict[str, Any]]
     provenance_diff: dict[str, list[Any]]
     checkpoint: str | None = None
+    """The checkpoint whose weights were replayed; None with ``checkpoint_step`` 0: the run's initial weights."""
     checkpoint_step: int | None = None
+    """The optimizer step after which the replayed weights were taken (0: before step 1)."""
     note: str | None = None
+    """None when the weights are exactly those the replayed step started from; else what they are instead."""
     stage: str | None = None
     """``forward`` (a module output or the loss), ``backward`` (only a gradient), or None (nothing)."""
     examples_checked: int = 0
@@ -225,11 +228,19 @@ def _first_event_step(run_dir: Path, shard: int | None) -> int | None:
 
 
 def _load(run_dir: Path, model: nn.Module | None, checkpoint: Any, before: int | None) -> tuple[nn.Module, dict]:
+    """The model and the replay settings: the run's model with the weights of the newest state at or before
+    step ``before`` (a checkpoint, or the run's initial weights; never a later one), or ``model`` as given."""
     # The run's model is built as train builds it: diagnose does not know the model registry.
     from steadytrain.train.replay import run_model
 
     built, settings = run_model(run_dir, checkpoint=checkpoint, before_step=before)
-    return (model if model is not None else built), settings
+    if model is None:
+        return built, settings
+    return model, settings | {
+        "checkpoint": None,
+        "checkpoint_step": None,
+        "note": "the model as given (its own weights; no checkpoint used)",
+    }
 
 
 def hunt(
@@ -247,9 +258,10 @@ def hunt(
     Args:
         run_dir: the run directory.
         shard: the suspect shard (``steadytrain nan report`` names it). Optional with ``step``.
-        checkpoint: the weights to use; default: the run's last checkpoint before its first non-finite
-            step involving ``shard`` (or before ``step``); when none precedes it, the earliest (and
-            ``note`` says so).
+        checkpoint: the weights to use; default: the weights the run's first non-finite step involving
+            ``shard`` (or ``step``) started from, that is the newest checkpoint at or before the step
+            before it, or the run's initial weights (rebuilt from its seed) when it saved none that
+            early. Never a later state; ``note`` says when the weights are older than that step's.
         step: replay the exact global batch of this optimizer step (1-based, as the ledger and
             ``metrics.jsonl`` count) instead of the shard.
         model: use this module instead of the run's model (weights as given: ``checkpoint`` is ignored).
