@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,12 +22,11 @@ from steadytrain.train import runfiles
 from steadytrain.train.checkpoint import apply_checkpoint, latest_checkpoint, load_checkpoint, save_checkpoint
 from steadytrain.train.config import TrainConfig
 from steadytrain.train.distributed import DistInfo, barrier, init_distributed, teardown, wrap_model
+from steadytrain.train.job import Interrupted, Job, TrainingStopped
 from steadytrain.train.metrics import MetricsLog, Progress
 from steadytrain.train.models import build_model
 from steadytrain.train.resume import apply_hyperparameters, hyperparameters
-from steadytrain.train.rundir import RunDir
 from steadytrain.train.setup import (
-    RunPlan,
     build_accumulator,
     build_dataset,
     build_optimizer,
@@ -41,52 +39,6 @@ from steadytrain.train.stop import StopRequest
 __all__ = ["Interrupted", "TrainingStopped", "train"]
 
 log = logging.getLogger("steadytrain.train")
-
-
-class TrainingStopped(RuntimeError):
-    """The run failed: it stopped before its last step (too many consecutive non-finite steps), or no
-    step applied an update; the report is written."""
-
-    exit_code = 1
-
-
-class Interrupted(TrainingStopped):
-    """SIGINT/SIGTERM stopped the run at a step boundary; a checkpoint is written, ``--resume`` continues."""
-
-    def __init__(self, message: str, exit_code: int) -> None:
-        super().__init__(message)
-        self.exit_code = exit_code
-
-
-@dataclass
-class Job:
-    """Everything a running job holds."""
-
-    cfg: TrainConfig
-    info: DistInfo
-    plan: RunPlan
-    run: RunDir
-    model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    acc: Any
-    ds: Any
-    scaler: Any
-    step: int = 0
-    epoch: int = 0
-    consecutive_skips: int = 0
-    exposure: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-    """Examples seen per shard id by this rank, on the host (rank 0 also holds the counts from before a resume)."""
-    metrics: MetricsLog | None = None
-    elapsed_before: float = 0.0
-    lr: float = 0.0
-    step_loss: Any = None
-    stop_after: int | None = None
-    """Stop after this many optimizer steps, the schedule unchanged (``repro`` re-runs a run's first steps)."""
-    lock: Any = None
-    """Rank 0's hold on the run directory (released when the job ends)."""
-    changes: dict[str, list[Any]] = field(default_factory=dict)
-    """What a resume changed in the saved config (``{key: [saved, new]}``)."""
-    stop: StopRequest | None = None
 
 
 def train(
@@ -190,12 +142,15 @@ def _run(job: Job) -> dict[str, Any]:
     if not stopped and job.acc.skipped_steps and job.acc.optimizer_steps == 0:
         stopped = f"no update was applied: every one of the {job.step} optimizer steps was non-finite and skipped"
     summary = runfiles.finish(job, stopped)
+    if not stopped:
+        return summary
     if job.stop is not None and job.stop.stopped:
-        how = f"resume with: steadytrain train --resume {job.run.path}"
-        raise Interrupted(f"{stopped}; checkpoint written at step {job.step}; {how}", job.stop.exit_code)
-    if stopped:
-        raise TrainingStopped(stopped)
-    return summary
+        how = f"checkpoint written at step {job.step}; resume with: steadytrain train --resume {job.run.path}"
+        err: TrainingStopped = Interrupted(f"{stopped}; {how}", job.stop.exit_code)
+    else:
+        err = TrainingStopped(stopped)
+    err.run_dir = str(job.run.path)
+    raise err
 
 
 def _steps(job: Job) -> str | None:

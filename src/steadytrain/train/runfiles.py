@@ -24,7 +24,7 @@ from steadytrain.train.rundir import RunDir, claim_run_dir, lock_run, open_run_d
 
 if TYPE_CHECKING:
     from steadytrain.train.config import TrainConfig
-    from steadytrain.train.loop import Job
+    from steadytrain.train.job import Job
     from steadytrain.train.setup import RunPlan
 
 log = logging.getLogger("steadytrain.train")

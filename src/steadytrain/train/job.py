@@ -1,0 +1,70 @@
+"""What a running training job holds, and how it ends when it does not finish.
+
+One plain object the loop (:mod:`steadytrain.train.loop`) and the run files it writes
+(:mod:`steadytrain.train.runfiles`) share, so neither imports the other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from steadytrain.train.config import TrainConfig
+from steadytrain.train.distributed import DistInfo
+from steadytrain.train.metrics import MetricsLog
+from steadytrain.train.rundir import RunDir
+from steadytrain.train.setup import RunPlan
+from steadytrain.train.stop import StopRequest
+
+__all__ = ["Interrupted", "Job", "TrainingStopped"]
+
+
+class TrainingStopped(RuntimeError):
+    """The run failed: it stopped before its last step (too many consecutive non-finite steps), or no
+    step applied an update; its checkpoint and short summary are written."""
+
+    exit_code = 1
+    run_dir: str | None = None
+    """The run directory (the command writes its report after the job)."""
+
+
+class Interrupted(TrainingStopped):
+    """SIGINT/SIGTERM stopped the run at a step boundary; a checkpoint is written, ``--resume`` continues."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+@dataclass
+class Job:
+    """Everything a running job holds."""
+
+    cfg: TrainConfig
+    info: DistInfo
+    plan: RunPlan
+    run: RunDir
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    acc: Any
+    ds: Any
+    scaler: Any
+    step: int = 0
+    epoch: int = 0
+    consecutive_skips: int = 0
+    exposure: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    """Examples seen per shard id by this rank, on the host (rank 0 also holds the counts from before a resume)."""
+    metrics: MetricsLog | None = None
+    elapsed_before: float = 0.0
+    lr: float = 0.0
+    step_loss: Any = None
+    stop_after: int | None = None
+    """Stop after this many optimizer steps, the schedule unchanged (``repro`` re-runs a run's first steps)."""
+    lock: Any = None
+    """Rank 0's hold on the run directory (released when the job ends)."""
+    changes: dict[str, list[Any]] = field(default_factory=dict)
+    """What a resume changed in the saved config (``{key: [saved, new]}``)."""
+    stop: StopRequest | None = None
