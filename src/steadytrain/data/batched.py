@@ -7,7 +7,8 @@ rank's micro-batches: dicts of column -> tensor (numeric) or list (strings), wit
 - every rank yields exactly ``steps_per_epoch · K`` micro-batches per epoch (no DDP hang on uneven
   shards); the remainder ``N mod G`` is dropped and reported as ``dropped_per_epoch``;
 - optimizer step ``s`` holds the same examples whatever ``W``, ``K`` and ``B`` are (with ``G`` fixed),
-  so a run resumes on another number of ranks, and :func:`global_batch` replays one step on one process.
+  so a run resumes on another number of ranks, and :func:`~steadytrain.data.replay.global_batch`
+  replays one step on one process.
 
 What each rank reads: every shard of every window it has a micro-batch in (with ``W`` ranks on one
 node the shards are read ``W`` times, from the OS page cache after the first). Memory: one window,
@@ -22,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -39,7 +39,7 @@ from steadytrain.data.order import GlobalLayout, check_layout_fits, epoch_window
 from steadytrain.data.policy import PolicyCounts, apply_policy
 from steadytrain.errors import UserError
 
-__all__ = ["DEFAULT_SHUFFLE_WINDOW", "BatchedMode", "global_batch"]
+__all__ = ["DEFAULT_SHUFFLE_WINDOW", "BatchedMode"]
 
 log = logging.getLogger(__name__)
 
@@ -265,45 +265,3 @@ class BatchedMode:
             )
         self.epoch, self.counts = epoch, counts
         self.micro = micro if same_layout else (micro // k) * lay.accumulation_steps
-
-
-def global_batch(
-    path: str | Path | Dataset,
-    step: int,
-    *,
-    global_batch_size: int,
-    seed: int,
-    epoch: int | None = None,
-    shuffle: bool = True,
-    shuffle_window: int | None = None,
-    shards: list[int] | None = None,
-    schema: Any = None,
-    policy: str = "raise",
-) -> dict[str, Any]:
-    """The exact examples of optimizer step ``step``, on one process (replay a step of any world size).
-
-    ``step`` counts optimizer steps from the start of training; with ``epoch`` it counts within that
-    epoch. The result holds the step's ``global_batch_size`` examples (``shard``, ``index`` included)
-    in global order; every rank's micro-batches of that step together are exactly these examples.
-    """
-    from steadytrain.data.sharded import ShardedDataset
-
-    check_int("step", step, 0)
-    ds = ShardedDataset(
-        path,
-        batch_size=check_int("global_batch_size", global_batch_size),
-        shuffle=shuffle,
-        seed=seed,
-        shuffle_window=shuffle_window,
-        shards=shards,
-        schema=schema,
-        policy=policy,
-    )
-    spe = ds.steps_per_epoch
-    if epoch is None:
-        epoch, step = divmod(step, spe)
-    elif step >= spe:
-        raise UserError(f"step={step} is past the {spe} optimizer steps of an epoch")
-    ds.set_epoch(epoch)
-    ds._mode.micro = step
-    return next(iter(ds))
