@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -22,9 +21,10 @@ def _print_report(rep: Any, limit: int = 5) -> None:
     rows = [s for s in rep.shards if s.events][:limit]
     for s in rows:
         rate = f"{s.rate:.3g}" if s.rate is not None else "n/a"
+        seen = "exposure not recorded" if s.exposures is None else f"{s.exposures} examples seen"
         click.echo(
             f"  shard {s.shard}: {s.events} step(s), {s.nonfinite} non-finite losses "
-            f"(chance: {s.expected:g}), {s.exposures} examples seen, rate {rate}, p = {s.p_value:.2g}"
+            f"(chance: {s.expected:g}), {seen}, rate {rate}, p = {s.p_value:.2g}"
         )
     if rep.ranks:
         click.echo("  local non-finite losses by rank: " + ", ".join(f"rank {r}: {n}" for r, n in rep.ranks.items()))
@@ -61,7 +61,11 @@ def nan() -> None:
 def report_cmd(run: str, as_json: bool) -> None:
     """Attribute RUN's non-finite steps to shards: shard-selective (data first) or spread (LR, clipping, precision)."""
     from steadytrain.diagnose import report
+    from steadytrain.diagnose.ledger import LEDGER
+    from steadytrain.train.rundir import open_run_dir
 
+    if not (Path(run) / LEDGER).is_file():  # a directory holding a ledger (a loop of one's own) is enough
+        open_run_dir(Path(run))  # else it must be a run directory: "no non-finite step" of `runs/` would be a lie
     rep = report(Path(run))
     _json(rep.to_dict()) if as_json else _print_report(rep)
 
@@ -99,22 +103,22 @@ def demo() -> None:
 @click.option("--shards", type=click.IntRange(16, 10_000), default=200, show_default=True, help="Shards to write.")
 def demo_nan(root: str | None, variant: str, shards: int) -> None:
     """The seed's scenario: a NaN from shard 47's new category, found by report and hunt (2 ranks, gloo)."""
+    from steadytrain._text import one_line
+    from steadytrain.cli._common import log_handler
     from steadytrain.diagnose.demo import run_demo
 
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(message)s"))
     logger = logging.getLogger("steadytrain.diagnose")
-    logger.handlers[:], logger.propagate = [handler], False
+    logger.handlers[:], logger.propagate = [log_handler()], False
     logger.setLevel(logging.INFO)
     where = Path(root) if root else Path(tempfile.mkdtemp(prefix="steadytrain-demo-nan-"))
     variants = ("shard", "lr") if variant == "both" else (variant,)
     t0 = time.perf_counter()
     for result in run_demo(where, variants=variants, shards=shards):
         ended = "finished" if result.returncode == 0 else f"stopped early (exit {result.returncode})"
-        click.echo(f"\n== {result.variant}: training {ended}; run directory {result.run_dir}")
+        click.echo(f"\n== {result.variant}: training {ended}; run directory {one_line(result.run_dir)}")
         click.echo("$ steadytrain nan report RUN")
         _print_report(result.report)
         if result.hunt is not None:
             click.echo(f"$ steadytrain nan hunt RUN --shard {result.hunt.shard}")
             _print_hunt(result.hunt)
-    click.echo(f"\ndemo done in {time.perf_counter() - t0:.0f} s; files under {where}")
+    click.echo(f"\ndemo done in {time.perf_counter() - t0:.0f} s; files under {one_line(where)}")

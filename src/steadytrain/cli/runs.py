@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import click
+
+from steadytrain._text import one_line
 
 
 def _json(data: Any) -> None:
@@ -25,6 +29,18 @@ def _quiet_training() -> None:
     logging.getLogger("steadytrain.train").setLevel(logging.WARNING)
 
 
+@contextlib.contextmanager
+def _stopped_by_signal() -> Iterator[None]:
+    """A Ctrl-C (or SIGTERM) during repro or sweep: one line, and the signal's exit code (130/143)."""
+    from steadytrain.train.loop import Interrupted
+
+    try:
+        yield
+    except Interrupted as err:
+        click.echo(f"stopped: {one_line(err)}", err=True)
+        raise click.exceptions.Exit(err.exit_code) from None
+
+
 @click.command("report")
 @click.argument("run", type=click.Path(file_okay=False))
 def report(run: str) -> None:
@@ -33,8 +49,10 @@ def report(run: str) -> None:
 
     rep = write_report(Path(run))
     for name, path in rep.plots.items():
-        click.echo(f"{name}: {path}")
-    click.echo(f"summary: {rep.summary}")
+        click.echo(f"{name}: {one_line(path)}")
+    for name, why in rep.failed.items():
+        click.echo(f"{name}: not drawn ({why})")
+    click.echo(f"summary: {one_line(rep.summary)}")
     if rep.failed:
         raise click.exceptions.Exit(1)
 
@@ -47,27 +65,27 @@ def report(run: str) -> None:
     "--plot",
     type=click.Path(dir_okay=False),
     default=None,
-    help="Where to write both losses overlaid (default compare-A-vs-B.png here).",
+    help="Also write both losses overlaid to this new .png file (or over a plot steadytrain wrote there).",
 )
 def compare(run_a: str, run_b: str, as_json: bool, plot: str | None) -> None:
     """Why two runs differ: config, data, environment by scope, then the first step whose losses differ."""
     from steadytrain.runs import compare as compare_runs
 
-    where = plot or f"compare-{Path(run_a).resolve().name}-vs-{Path(run_b).resolve().name}.png"
-    result = compare_runs(Path(run_a), Path(run_b), plot=where)
+    result = compare_runs(Path(run_a), Path(run_b), plot=plot)
     if as_json:
         _json(result.to_dict())
         return
     click.echo(result.sentence)
     for key, (a, b) in result.config.items():
-        click.echo(f"  config {key}: {a!r} vs {b!r}")
+        click.echo(f"  config {one_line(key)}: {one_line(repr(a))} vs {one_line(repr(b))}")
     for key, value in result.data.items():
         if key not in ("same", "note") and value:
-            click.echo(f"  data {key}: {value}")
+            click.echo(f"  data {key}: {one_line(value)}")
     for scope, diffs in result.env.items():
         for d in (diffs or [])[:10]:
-            click.echo(f"  {scope} {d['path']}: {d['a']!r} vs {d['b']!r}")
-    click.echo(f"  plot: {result.plot}")
+            click.echo(f"  {scope} {one_line(d['path'])}: {one_line(repr(d['a']))} vs {one_line(repr(d['b']))}")
+    if result.plot is not None:
+        click.echo(f"  plot: {one_line(result.plot)}")
 
 
 @click.command("repro")
@@ -76,13 +94,18 @@ def compare(run_a: str, run_b: str, as_json: bool, plot: str | None) -> None:
 @click.option("--out", type=click.Path(file_okay=False), default=None, help="Keep the re-run in this new directory.")
 @click.option("--json", "as_json", is_flag=True, help="Print the verdict as JSON.")
 def repro(run: str, steps: int | None, out: str | None, as_json: bool) -> None:
-    """Re-run RUN's first steps here (deterministic) and compare bit for bit; exit 0 reproduced, 1 not."""
+    """Re-run RUN's first steps here (deterministic) and compare bit for bit.
+
+    Exit 0: reproduced, and this machine compared with the recorded environment; 1: not reproduced, or
+    RUN has no env.json to compare with.
+    """
     from steadytrain.runs import repro as reproduce
 
     _quiet_training()
-    result = reproduce(Path(run), steps, out=out)
+    with _stopped_by_signal():
+        result = reproduce(Path(run), steps, out=out)
     _json(result.to_dict()) if as_json else click.echo(result.sentence)
-    if not result.reproduced:
+    if not result.validated:
         raise click.exceptions.Exit(1)
 
 
@@ -104,5 +127,6 @@ def sweep(config: str | None, factors: str, steps: int, overrides: tuple[str, ..
     cfg = load_config(config, list(overrides))
     _quiet_training()
     where = Path(sweep_dir) if sweep_dir else Path(cfg.run.dir) / f"sweep-{cfg.run.name}"
-    result = run_sweep(cfg, chosen, steps, where)
+    with _stopped_by_signal():
+        result = run_sweep(cfg, chosen, steps, where)
     click.echo((where / "sweep.md").read_text() if (where / "sweep.md").exists() else result.sentence, nl=False)

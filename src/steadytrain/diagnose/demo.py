@@ -25,8 +25,10 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import yaml
+from filelock import FileLock, Timeout
 
-from steadytrain.data import DatasetWriter
+from steadytrain._io import brief, write_text_atomic
+from steadytrain.data import DatasetWriter, open_dataset
 from steadytrain.diagnose.hunt import HuntReport, hunt
 from steadytrain.diagnose.report import NonFiniteReport, report
 from steadytrain.errors import UserError
@@ -124,13 +126,17 @@ def _variant(root: Path, variant: str, shards: int, nproc: int) -> DemoResult:
     if not (data / "index.json").exists():
         log.info("writing %d shards to %s", shards, data)
         make_dataset(data, shards=shards, bad_shard=None if lr else 47 * shards // 200)
+    elif (found := len(open_dataset(data).shard_ids)) != shards:  # an earlier demo's: its bad shard is another
+        raise UserError(
+            f"{data} holds {found} shards from an earlier demo, not {shards}: use --shards {found} or another --dir"
+        )
     config, run_dir = root / f"{variant}.yaml", root / "runs" / variant
     if run_dir.exists():
         raise UserError(f"{run_dir} exists: choose another --dir (the demo never overwrites a run)")
-    config.write_text(yaml.safe_dump(train_config(data, lr_too_high=lr)))
+    write_text_atomic(config, yaml.safe_dump(train_config(data, lr_too_high=lr)))
     log.info("training %s on %d ranks (gloo): %s", variant, nproc, run_dir)
     proc = launch(config, run_dir, nproc=nproc)
-    (root / f"{variant}.log").write_text(proc.stdout + proc.stderr)
+    write_text_atomic(root / f"{variant}.log", proc.stdout + proc.stderr)
     if proc.returncode not in (0, 1) or not run_dir.exists():
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
         raise UserError(f"demo training failed (exit {proc.returncode}): {tail[0]} (log: {root / variant}.log)")
@@ -140,8 +146,34 @@ def _variant(root: Path, variant: str, shards: int, nproc: int) -> DemoResult:
 
 
 def run_demo(root: str | Path, *, variants: tuple[str, ...] = ("shard", "lr"), shards: int = 200, nproc: int = 2):
-    """Build the data, train each variant on ``nproc`` ranks, and diagnose it; yields a :class:`DemoResult` each."""
-    root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
-    for variant in variants:
-        yield _variant(root, variant, shards, nproc)
+    """Build the data, train each variant on ``nproc`` ranks, and diagnose it; yields a :class:`DemoResult` each.
+
+    Raises:
+        UserError: ``root`` (or a parent) is a file or cannot be created, another demo is writing there,
+            a variant's run directory exists, or its training failed.
+    """
+    root = _root(root)
+    lock = FileLock(root / ".demo.lock", timeout=0)  # two demos in one directory would write one dataset twice
+    try:
+        lock.acquire()
+    except Timeout:
+        busy = "another `steadytrain demo nan` is writing there"
+        raise UserError(f"{root}: {busy}: wait for it to finish or choose another --dir") from None
+    except OSError as err:
+        raise UserError(f"{root}: cannot lock the demo directory ({err.strerror or err})") from None
+    try:
+        for variant in variants:
+            yield _variant(root, variant, shards, nproc)
+    finally:
+        lock.release()
+
+
+def _root(path: str | Path) -> Path:
+    root = Path(path)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise UserError(f"--dir {brief(str(root))}: it or a parent is a file, not a directory") from None
+    except OSError as err:
+        raise UserError(f"--dir {brief(str(root))}: cannot be created ({err.strerror or err})") from None
+    return root

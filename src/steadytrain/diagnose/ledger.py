@@ -14,7 +14,6 @@ refused step (so it covers the ledger even after a kill), at every checkpoint an
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from pathlib import Path
@@ -22,8 +21,10 @@ from typing import Any
 
 import torch
 
-from steadytrain._io import append_jsonl, load_json, read_text
+from steadytrain._check import check_int
+from steadytrain._io import append_jsonl, brief, load_json, read_jsonl
 from steadytrain.accumulate import NonFiniteEvent
+from steadytrain.accumulate.events import REASONS
 from steadytrain.errors import UserError
 
 __all__ = ["EXPOSURE", "LEDGER", "append_event", "event_record", "read_exposure", "read_ledger"]
@@ -102,55 +103,127 @@ def append_event(path: str | Path, event: NonFiniteEvent, step: int) -> dict[str
     return record
 
 
+LEDGER_FIX = "the ledger is damaged (edited by hand?): correct or remove that line"
+EXPOSURE_FIX = "the exposure file is damaged: delete it (the report then weighs shards by the batches in play)"
+MAX_ID = 2**63 - 1
+"""Largest shard id, example index, rank or step a ledger may name (an int64, as the data layer writes them)."""
+_NORMS = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+
+
+def _ints(value: Any, key: str, *, below: int | None = None) -> list[int]:
+    """A list of integers in ``[0, below)`` (``[0, MAX_ID]`` without ``below``), none twice when ``below`` is given."""
+    top = MAX_ID if below is None else below - 1
+    if not isinstance(value, list):
+        raise UserError(f"{key}={brief(value)} must be a list of integers")
+    for item in value:
+        if isinstance(item, bool) or not isinstance(item, int) or not 0 <= item <= top:
+            raise UserError(f"{key} holds {brief(item)}: each must be an integer from 0 to {top}")
+    if below is not None and len(set(value)) != len(value):
+        raise UserError(f"{key}={brief(value)} names a position twice")
+    return value
+
+
+def _tag(tag: Any, i: int) -> dict[str, Any]:
+    """One micro-batch of an event: shard and index lists of one length, ``nonfinite`` positions inside them."""
+    if not isinstance(tag, dict):
+        raise UserError(f"tags[{i}]={brief(tag)} must be an object with shard, index and nonfinite")
+    shard = _ints(tag.get("shard"), f"tags[{i}].shard")
+    index = _ints(tag.get("index"), f"tags[{i}].index")
+    if len(shard) != len(index):
+        raise UserError(f"tags[{i}]: {len(shard)} shard ids but {len(index)} example indices (one per example)")
+    flagged = tag.get("nonfinite")
+    if flagged is not None:
+        _ints(flagged, f"tags[{i}].nonfinite", below=len(shard))
+    return {"shard": shard, "index": index, "nonfinite": flagged}
+
+
+def _grad_norm(value: Any) -> float:
+    if isinstance(value, str) and value in _NORMS:
+        return _NORMS[value]
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise UserError(f"grad_norm={brief(value)} must be a number, or 'nan', 'inf' or '-inf'")
+    return float(value)
+
+
+def _fields(record: dict[str, Any]) -> dict[str, Any]:
+    """The event's fields, each checked (a UserError naming the key, without the file)."""
+    tags = record["tags"]
+    if not isinstance(tags, list):
+        raise UserError(f"tags={brief(tags)} must be a list of micro-batches")
+    micro_steps = _ints(record["micro_steps"], "micro_steps")
+    if len(micro_steps) != 2 or micro_steps[0] > micro_steps[1]:
+        raise UserError(f"micro_steps={brief(micro_steps)} must be [first, last] micro-step of the cycle")
+    for key in ("action", "reason"):
+        if not isinstance(record[key], str):
+            raise UserError(f"{key}={brief(record[key])} must be a string")
+    if record["reason"] not in REASONS:
+        raise UserError(f"reason={brief(record['reason'])} is not one of {', '.join(REASONS)}")
+    n = len(tags)
+    return {
+        "cycle": check_int("cycle", record["cycle"], 0, maximum=MAX_ID),
+        "rank": check_int("rank", record["rank"], 0, maximum=MAX_ID),
+        "grad_norm": _grad_norm(record["grad_norm"]),
+        "micro_steps": tuple(micro_steps),
+        "nonfinite_micro_batches": tuple(_ints(record["nonfinite_micro_batches"], "nonfinite_micro_batches", below=n)),
+        "tags": tuple(_tag(t, i) for i, t in enumerate(tags)),
+        "action": record["action"],
+        "reason": record["reason"],
+    }
+
+
 def _event(record: Any, where: str) -> tuple[int, NonFiniteEvent]:
-    if not isinstance(record, dict) or not isinstance(record.get("step"), int):
-        raise UserError(f"{where}: not a non-finite event (no integer 'step')")
+    """``(step, event)`` of one ledger line, every field checked; a UserError names the file, line and key."""
+    if not isinstance(record, dict):
+        raise UserError(f"{where}: {brief(record)} is not a non-finite event (a JSON object); {LEDGER_FIX}")
+    missing = [k for k in ("step", *_EVENT_KEYS) if k not in record]
+    if missing:
+        raise UserError(f"{where}: not a non-finite event of this version (no {', '.join(missing)}); {LEDGER_FIX}")
     try:
-        data = {k: record[k] for k in _EVENT_KEYS}
-        data["grad_norm"] = float(data["grad_norm"])
-        data["nonfinite_micro_batches"] = tuple(data["nonfinite_micro_batches"])
-        for tag in data["tags"]:
-            if not isinstance(tag, dict) or len(tag["shard"]) != len(tag["index"]):
-                raise ValueError("a micro-batch's shard and index lists differ in length")
-        return record["step"], NonFiniteEvent.from_dict(data)
-    except (KeyError, TypeError, ValueError) as err:
-        raise UserError(f"{where}: not a non-finite event of this version ({err})") from None
+        step = check_int("step", record["step"], 1, maximum=MAX_ID)
+        return step, NonFiniteEvent(**_fields(record))
+    except UserError as err:
+        raise UserError(f"{where}: {err}; {LEDGER_FIX}") from None
 
 
 def read_ledger(run_dir: str | Path) -> list[tuple[int, NonFiniteEvent]]:
     """Every ``(step, event)`` of the run's ledger, in file order; none if it has no ledger.
 
-    A last line cut short (the process was killed in the middle of its write) is skipped with a warning.
+    A last line cut short (the process was killed in the middle of its write) is skipped with a warning
+    (:func:`~steadytrain._io.read_jsonl`, the project's one rule for a torn record).
 
     Raises:
-        UserError: a line that is not a non-finite event (the message names the file and line).
+        UserError: a line that is not a non-finite event, or one with a field of the wrong type or out of
+            range (the message names the file, the line and the key).
     """
     path = Path(run_dir) / LEDGER
-    if not path.exists():
-        return []
-    lines = read_text(path, what="non-finite ledger").splitlines()
-    out = []
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            if n == len(lines):
-                log.warning("%s: line %d is cut short (killed mid-write?): skipped", path, n)
-                continue
-            raise UserError(f"{path}: line {n} is not JSON") from None
-        out.append(_event(record, f"{path}: line {n}"))
+    out, seen = [], {}
+    for n, record in read_jsonl(path, what="non-finite ledger"):
+        step, event = _event(record, f"{path}: line {n}")
+        first = seen.setdefault((step, event.rank), n)
+        if first != n:  # one line per rank per refused step: a copy would count its examples twice
+            raise UserError(f"{path}: line {n}: step {step} of rank {event.rank} is on line {first} too; {LEDGER_FIX}")
+        out.append((step, event))
     return out
 
 
 def read_exposure(run_dir: str | Path) -> dict[int, int] | None:
-    """Examples seen per shard (all ranks) as last written; None when the run wrote none yet."""
+    """Examples seen per shard (all ranks) as last written; None when the run wrote none yet.
+
+    Raises:
+        UserError: not a JSON object of shard id (a decimal string) to a count (an integer >= 0).
+    """
     path = Path(run_dir) / EXPOSURE
     if not path.exists():
         return None
     data = load_json(path, what="exposure file")
-    try:
-        return {int(k): int(v) for k, v in data.items()}
-    except (AttributeError, TypeError, ValueError):
-        raise UserError(f"{path}: not a mapping of shard id to examples seen") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{path}: {brief(data)} is not a mapping of shard id to examples seen; {EXPOSURE_FIX}")
+    out = {}
+    for key, count in data.items():
+        # len first: int() of a 5000-digit string raises; str(int(k)) == k refuses "03" (a second key for 3)
+        if not (len(key) <= 19 and key.isascii() and key.isdigit() and str(int(key)) == key and int(key) <= MAX_ID):
+            raise UserError(f"{path}: key {brief(key)} is not a shard id (a decimal integer >= 0); {EXPOSURE_FIX}")
+        if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= MAX_ID:
+            raise UserError(f"{path}: shard {key}: {brief(count)} is not a count of examples (>= 0); {EXPOSURE_FIX}")
+        out[int(key)] = count
+    return out

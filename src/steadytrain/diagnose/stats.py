@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 __all__ = ["binomial_sf"]
+
+CUTOFF = 80.0
+"""Terms below ``exp(-CUTOFF)`` times the largest are dropped: they change the sum by less than 1e-30 of it."""
 
 
 def _log_pmf(i: int, n: int, p: float) -> float:
@@ -34,6 +38,19 @@ def binomial_sf(k: int, n: int, p: float) -> float:
         return 0.0
     if p == 1.0:
         return 1.0
-    terms = [_log_pmf(i, n, p) for i in range(k, n + 1)]
-    top = max(terms)
-    return min(1.0, math.exp(top) * math.fsum(math.exp(t - top) for t in terms))
+    if k > math.floor((n + 1) * p):  # above the mode: the terms from k upward only fall
+        return min(1.0, _falling_sum(_log_pmf(i, n, p) for i in range(k, n + 1)))
+    # At or below the mode the tail is not small: 1 - P(X < k), summed from k - 1 downward (falling too).
+    return min(1.0, max(0.0, 1.0 - _falling_sum(_log_pmf(i, n, p) for i in range(k - 1, -1, -1))))
+
+
+def _falling_sum(logs: Iterator[float]) -> float:
+    """``sum(exp(t))`` over log terms that (past a peak) only fall, stopped once they are :data:`CUTOFF` below
+    the largest: a ledger of 10**9 non-finite losses costs a few thousand terms, not 10**9."""
+    top, kept = -math.inf, []
+    for t in logs:
+        if t < top - CUTOFF:
+            break
+        kept.append(t)
+        top = max(top, t)
+    return math.exp(top) * math.fsum(math.exp(t - top) for t in kept)

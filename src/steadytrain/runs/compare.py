@@ -128,13 +128,15 @@ def _metrics_phrase(first: int | None, rel: float | None, common: list[int], a: 
     return f"losses identical until step {first}, then differ {size}{lengths}"
 
 
-def sentence(config: dict, data: dict, env: dict, metrics: str) -> str:
+def sentence(config: dict, data: dict, env: dict, metrics: str, env_missing: str = "A or B") -> str:
     """The one-line verdict: what is the same, what differs (with values), then the losses."""
     same, differs = [], []
+    if all(env[scope] is None for scope in SCOPES):
+        differs.append(f"environment unknown (env.json missing in {env_missing})")
     for scope in SCOPES:
         if env[scope] is None:
-            differs.append(f"{scope} unknown (env.json missing)")
-        elif not env[scope]:
+            continue
+        if not env[scope]:
             same.append(scope)
         else:
             items = [(d["path"].split(".", 1)[1], d["a"], d["b"]) for d in env[scope]]
@@ -167,7 +169,8 @@ def compare(run_a: str | Path, run_b: str | Path, *, plot: str | Path | None = N
     data = data_diff(data_record(a), data_record(b))
     env = env_diff(a.env, b.env)
     first, rel, common = loss_divergence(a, b)
-    text = sentence(config, data, env, _metrics_phrase(first, rel, common, a, b))
+    missing = " and ".join(n for n, r in (("A", a), ("B", b)) if r.env is None)
+    text = sentence(config, data, env, _metrics_phrase(first, rel, common, a, b), missing)
     out = Comparison(text, config, data, env, first, rel, [len(a.steps), len(b.steps)])
     if plot is not None:
         from steadytrain.runs.plots import compare_plot

@@ -2,7 +2,9 @@
 
 Figures are drawn with matplotlib's object API on the Agg canvas (no ``pyplot``, no global backend
 switch, safe in a notebook or a thread) at a fixed size, and written atomically. Every plot has
-labelled axes with units and a title naming the run.
+labelled axes with units and a title naming the run. Every PNG carries ``Software: steadytrain`` in
+its metadata: a plot written where the user chose (``compare --plot``) replaces only a PNG with that
+mark, never another file that happens to have the name.
 """
 
 from __future__ import annotations
@@ -11,16 +13,33 @@ import math
 from pathlib import Path
 from typing import Any
 
-from steadytrain._io import write_atomic
+from steadytrain._io import brief, one_line, write_atomic
+from steadytrain.errors import UserError
 from steadytrain.runs.record import RunRecord, smooth
 from steadytrain.schedule import lr_multiplier
 
-__all__ = ["DPI", "SIZE", "compare_plot", "grad_norm_plot", "loss_plot", "lr_plot", "sweep_plot", "throughput_plot"]
+__all__ = [
+    "DPI",
+    "MARK",
+    "SIZE",
+    "compare_plot",
+    "grad_norm_plot",
+    "is_ours",
+    "loss_plot",
+    "lr_plot",
+    "sweep_plot",
+    "throughput_plot",
+]
 
 SIZE = (8.0, 4.5)
 """Inches: at :data:`DPI` every run plot is 800 x 450 pixels."""
 DPI = 100
 STEP = "optimizer step"
+MARK = "steadytrain"
+"""The ``Software`` text of every PNG written here."""
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+PLANNED_POINTS = 2000
+"""At most this many points of the planned LR schedule are drawn (plus the warmup ramp)."""
 
 
 def _figure(size: tuple[float, float] = SIZE) -> Any:
@@ -32,9 +51,41 @@ def _figure(size: tuple[float, float] = SIZE) -> Any:
     return fig
 
 
-def _save(fig: Any, path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, lambda f: fig.savefig(f, format="png", dpi=DPI))
+def _label(text: str) -> str:
+    """A run name or path inside a title or legend: one line, and a ``$`` is a dollar, not mathtext."""
+    return one_line(text).replace("$", r"\$")
+
+
+def is_ours(path: Path) -> bool:
+    """Whether ``path`` is a regular file holding a PNG whose ``Software`` text chunk is :data:`MARK`."""
+    if not path.is_file():  # before opening: a FIFO would block
+        return False
+    try:
+        with open(path, "rb") as f:
+            head = f.read(1 << 16)
+    except OSError:
+        return False
+    pos = len(PNG_SIGNATURE) if head.startswith(PNG_SIGNATURE) else len(head)
+    while pos + 8 <= len(head):
+        size, kind = int.from_bytes(head[pos : pos + 4], "big"), head[pos + 4 : pos + 8]
+        if kind in (b"IDAT", b"IEND"):  # text chunks written before the image data
+            break
+        key, _, value = head[pos + 8 : pos + 8 + size].partition(b"\0")
+        if kind == b"tEXt" and key == b"Software":
+            return value == MARK.encode()
+        pos += 12 + size
+    return False
+
+
+def _save(fig: Any, path: Path, *, ours_only: bool = False) -> Path:
+    """Write ``fig`` as a marked PNG; with ``ours_only`` an existing file is replaced only if :func:`is_ours`."""
+    if ours_only and path.is_file() and not is_ours(path):
+        raise UserError(
+            f"{path}: exists and is not a steadytrain plot: it is left as it is; choose another path or move it away"
+        )
+    title = fig.axes[0].get_title() if fig.axes else ""
+    meta = {"Software": MARK, "Title": one_line(title)}
+    write_atomic(path, lambda f: fig.savefig(f, format="png", dpi=DPI, metadata=meta))
     return path
 
 
@@ -59,10 +110,26 @@ def loss_plot(rec: RunRecord, path: Path) -> Path:
     ax.plot(*_points(steps, smooth(loss)), color="tab:blue", linewidth=2, label="loss (smoothed)")
     skipped = [r["step"] for r in rec.metrics if r.get("skipped")]
     _mark_steps(ax, skipped, f"skipped non-finite step ({len(skipped)})", "tab:red", "x")
-    ax.set(xlabel=STEP, ylabel="training loss (mean per example)", title=f"{rec.name}: training loss")
+    ax.set(xlabel=STEP, ylabel="training loss (mean per example)", title=f"{_label(rec.name)}: training loss")
     ax.grid(alpha=0.3)
     ax.legend(loc="upper right")
     return _save(fig, path)
+
+
+def schedule_steps(total: int, warmup: int, points: int = PLANNED_POINTS) -> list[int]:
+    """The steps at which to draw the planned schedule: every warmup step and the one after, then at most
+    ``points`` more spread over the run (a plan of 10**12 steps is drawn as fast as one of 100).
+
+    Example:
+        >>> schedule_steps(6, 1), len(schedule_steps(10**12, 5))
+        ([1, 2, 3, 4, 5, 6], 2005)
+    """
+    if total < 1:
+        return []
+    ramp = range(1, min(warmup + 1, total) + 1)
+    n = min(total, points)
+    spread = (1 + (total - 1) * i // max(n - 1, 1) for i in range(n))
+    return sorted({*ramp, *spread}) if warmup <= points else sorted({*spread, warmup + 1})
 
 
 def schedule_lrs(rec: RunRecord, steps: list[int]) -> list[float] | None:
@@ -82,9 +149,10 @@ def lr_plot(rec: RunRecord, path: Path) -> Path:
     fig = _figure()
     ax = fig.add_subplot()
     steps = rec.steps
-    planned = schedule_lrs(rec, list(range(1, int(rec.plan.get("total_steps") or 0) + 1)))
+    where = schedule_steps(rec.plan.get("total_steps") or 0, rec.plan.get("warmup_steps") or 0)
+    planned = schedule_lrs(rec, where)
     if planned:
-        ax.plot(range(1, len(planned) + 1), planned, color="0.75", linewidth=5, label="schedule (planned)")
+        ax.plot(where, planned, color="0.75", linewidth=5, label="schedule (planned)")
     ax.plot(*_points(steps, rec.column("lr")), color="tab:green", linewidth=1.5, label="LR used")
     warmup = rec.plan.get("warmup_steps")
     if warmup:
@@ -92,7 +160,7 @@ def lr_plot(rec: RunRecord, path: Path) -> Path:
         ax.axvline(warmup + 1, color="tab:purple", linestyle=":", label=f"end of warmup: peak from step {warmup + 1}")
     peak = rec.plan.get("lr")
     ylabel = f"learning rate (peak {peak:.3g})" if isinstance(peak, int | float) else "learning rate"
-    ax.set(xlabel=STEP, ylabel=ylabel, title=f"{rec.name}: learning rate")
+    ax.set(xlabel=STEP, ylabel=ylabel, title=f"{_label(rec.name)}: learning rate")
     ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
     ax.grid(alpha=0.3)
     ax.legend(loc="upper right")
@@ -115,7 +183,7 @@ def grad_norm_plot(rec: RunRecord, path: Path) -> Path:
     _mark_steps(ax, skipped, f"skipped non-finite step ({len(skipped)})", "tab:red", "x")
     if norms and min(norms) > 0 and max(norms) / min(norms) > 100:
         ax.set_yscale("log")
-    ax.set(xlabel=STEP, ylabel="global L2 norm of the gradient", title=f"{rec.name}: gradient norm")
+    ax.set(xlabel=STEP, ylabel="global L2 norm of the gradient", title=f"{_label(rec.name)}: gradient norm")
     ax.grid(alpha=0.3)
     ax.legend(loc="upper right")
     return _save(fig, path)
@@ -127,7 +195,7 @@ def throughput_plot(rec: RunRecord, path: Path) -> Path:
     ax = fig.add_subplot()
     ax.plot(*_points(rec.steps, rec.column("items_per_s")), color="tab:cyan", linewidth=1.5, label="per step")
     ax.plot(*_points(rec.steps, smooth(rec.column("items_per_s"))), color="tab:blue", linewidth=2, label="smoothed")
-    ax.set(xlabel=STEP, ylabel="throughput (examples / s, all ranks)", title=f"{rec.name}: throughput")
+    ax.set(xlabel=STEP, ylabel="throughput (examples / s, all ranks)", title=f"{_label(rec.name)}: throughput")
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
@@ -135,12 +203,15 @@ def throughput_plot(rec: RunRecord, path: Path) -> Path:
 
 
 def compare_plot(a: RunRecord, b: RunRecord, first_divergent: int | None, path: Path) -> Path:
-    """Both runs' losses overlaid, and their relative difference per step below."""
+    """Both runs' losses overlaid, and their relative difference per step below; ``path`` is a new ``.png``
+    file or a plot this module wrote (nothing else is replaced)."""
+    if path.suffix.lower() != ".png":
+        raise UserError(f"--plot {brief(str(path))}: the plot is a PNG: name a .png file")
     fig = _figure((8.0, 6.0))
     top, bottom = fig.subplots(2, 1, sharex=True, height_ratios=[2, 1])
-    top.plot(*_points(a.steps, a.column("loss")), color="tab:blue", linewidth=2, label=f"A: {a.name}")
+    top.plot(*_points(a.steps, a.column("loss")), color="tab:blue", linewidth=2, label=f"A: {_label(a.name)}")
     top.plot(*_points(b.steps, b.column("loss")), color="tab:orange", linestyle="--", linewidth=1.5,
-             label=f"B: {b.name}")  # fmt: skip
+             label=f"B: {_label(b.name)}")  # fmt: skip
     lb = dict(zip(b.steps, b.column("loss"), strict=True))
     rel = [
         (s, abs(x - lb[s]) / max(abs(x), abs(lb[s])))
@@ -157,10 +228,10 @@ def compare_plot(a: RunRecord, b: RunRecord, first_divergent: int | None, path: 
             label = f"first difference (step {first_divergent})"
             ax.axvline(first_divergent, color="tab:red", linestyle=":", label=label)
         ax.grid(alpha=0.3)
-    top.set(ylabel="training loss (mean per example)", title=f"{a.name} vs {b.name}: training loss")
+    top.set(ylabel="training loss (mean per example)", title=f"{_label(a.name)} vs {_label(b.name)}: training loss")
     top.legend(loc="upper right")
     bottom.set(xlabel=STEP, ylabel="relative difference\n|A − B| / max(|A|, |B|)")
-    return _save(fig, path)
+    return _save(fig, path, ours_only=True)
 
 
 def sweep_plot(trials: list[dict[str, Any]], estimate: float, title: str, path: Path) -> Path:
@@ -183,7 +254,7 @@ def sweep_plot(trials: list[dict[str, Any]], estimate: float, title: str, path: 
     _mark_steps(ax, [t["lr"] for t in bad], f"diverged ({len(bad)})", "tab:red", "x")
     ax.axvline(estimate, color="0.4", linestyle="--", label=f"linear-scaling estimate {estimate:.3g}")
     ax.set_xscale("log")
-    ax.set(xlabel="peak learning rate (log scale)", ylabel="training loss at the last step", title=title)
+    ax.set(xlabel="peak learning rate (log scale)", ylabel="training loss at the last step", title=_label(title))
     ax.grid(alpha=0.3, which="both")
     ax.legend(loc="best")
-    return _save(fig, path)
+    return _save(fig, path, ours_only=True)

@@ -6,14 +6,16 @@ Every command in :mod:`steadytrain.runs` starts here, so a missing or malformed 
 
 from __future__ import annotations
 
-import json
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from steadytrain._io import brief, load_json, load_yaml, one_line, read_text
+from steadytrain._io import load_json, load_yaml, one_line, read_jsonl
+from steadytrain.env import EnvManifest
 from steadytrain.errors import UserError
+from steadytrain.runs._schema import check_config, check_data, check_depth, check_metrics_row, check_plan
 from steadytrain.train.rundir import RunDir, open_run_dir
 
 __all__ = ["RunRecord", "flatten", "load_run", "shown", "smooth"]
@@ -34,7 +36,8 @@ class RunRecord:
 
     @property
     def name(self) -> str:
-        return self.run.path.name
+        """The directory's own name, also for ``.`` or ``runs/x/..`` (symlinks are not followed)."""
+        return Path(os.path.abspath(self.run.path)).name or str(self.run.path)
 
     def column(self, key: str) -> list[Any]:
         """One metric per optimizer step (``None`` where it was not finite)."""
@@ -46,47 +49,51 @@ class RunRecord:
 
 
 def _metrics(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    rows = []
-    for n, line in enumerate(read_text(path, what="metrics log").splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise UserError(f"{path}:{n}: not a JSON line ({err.msg}): the metrics log is damaged") from None
-        if not isinstance(row, dict) or not isinstance(row.get("step"), int):
-            raise UserError(f"{path}:{n}: {brief(row)} has no integer 'step': the metrics log is damaged")
-        rows.append(row)
+    """Every row of ``metrics.jsonl`` (a torn last line skipped), each checked; steps increase."""
+    rows: list[dict[str, Any]] = []
+    for n, row in read_jsonl(path, what="metrics log"):
+        rows.append(check_metrics_row(row, f"{path}: line {n}", rows[-1]["step"] if rows else 0))
     return rows
 
 
-def _optional_json(path: Path, what: str) -> dict[str, Any] | None:
+def _object(path: Path, what: str) -> dict[str, Any] | None:
     if not path.exists():
         return None
     value = load_json(path, what=what)
     if not isinstance(value, dict):
-        raise UserError(f"{path}: a {what} is a JSON object, not {type(value).__name__}")
+        raise UserError(f"{path}: a {what} is a JSON object, not {type(value).__name__}: restore the file")
     return value
 
 
+def _env(path: Path) -> dict[str, Any] | None:
+    """``env.json`` checked against the manifest's own schema (the diff walks every field)."""
+    if not path.exists():
+        return None
+    value = load_json(path, what="environment manifest")
+    check_depth(value, str(path))
+    try:
+        return EnvManifest.from_dict(value, source=str(path)).to_dict()
+    except UserError as err:
+        raise UserError(f"{err}: restore env.json (or delete it: the environment then reads as unknown)") from None
+
+
 def load_run(path: str | Path) -> RunRecord:
-    """Read the run directory ``path``.
+    """Read the run directory ``path``; every file is checked as it is read (see :mod:`._schema`).
 
     Raises:
-        UserError: not a run directory, or one of its files is malformed (names the file).
+        UserError: not a run directory, or one of its files is malformed (names the file, line and key).
     """
     run = open_run_dir(Path(path))
     config = load_yaml(run.config, what="run config") or {}
     if not isinstance(config, dict):
         raise UserError(f"{run.config}: a run config is a mapping of sections, not {type(config).__name__}")
+    plan, data = _object(run.plan, "batch plan"), _object(run.data, "data record")
     return RunRecord(
         run=run,
-        config=config,
-        plan=_optional_json(run.plan, "batch plan") or {},
-        env=_optional_json(run.env, "environment manifest"),
-        data=_optional_json(run.path / "data.json", "data record"),
+        config=check_config(config, str(run.config)),
+        plan=check_plan(plan, str(run.plan)) if plan is not None else {},
+        env=_env(run.env),
+        data=check_data(data, str(run.data)) if data is not None else None,
         metrics=_metrics(run.metrics),
     )
 

@@ -15,7 +15,10 @@ from pathlib import Path
 from typing import Any
 
 from steadytrain._io import load_json, one_line, write_text_atomic
+from steadytrain._text import error_text, md
+from steadytrain.errors import UserError
 from steadytrain.runs import plots
+from steadytrain.runs._schema import check_nonfinite_report
 from steadytrain.runs.record import RunRecord, load_run, smooth
 
 __all__ = ["PLOTS", "Report", "environment_paragraph", "plan_sentence", "report"]
@@ -58,14 +61,29 @@ def report(run: str | Path, *, stopped: str | None = None) -> Report:
     """
     rec = load_run(run)
     out = Report(summary=rec.run.summary)
+    where = _plots_dir(rec)
     for name, draw in PLOTS.items():
         try:
-            out.plots[name] = draw(rec, rec.run.path / "plots" / f"{name}.png")
+            out.plots[name] = draw(rec, where / f"{name}.png")
+        except UserError:  # the directory is not writable, a name there is not a file: the summary fails too
+            raise
         except Exception as err:  # a plot is never worth losing the report (or the run) over
-            out.failed[name] = one_line(f"{type(err).__name__}: {err}")
+            out.failed[name] = f"{type(err).__name__}: {error_text(err)}"
             log.warning("%s: could not draw the %s plot: %s", rec.run.path, name, out.failed[name])
     write_text_atomic(out.summary, summary_markdown(rec, out, stopped))
     return out
+
+
+def _plots_dir(rec: RunRecord) -> Path:
+    """``RUN/plots``, created when absent; a file of that name is one error, not four failed plots."""
+    path = rec.run.path / "plots"
+    try:
+        path.mkdir(exist_ok=True)
+    except FileExistsError:
+        raise UserError(f"{path}: is not a directory: move it away so the report can write its plots there") from None
+    except OSError as err:
+        raise UserError(f"{path}: cannot create the plots directory ({err.strerror or err})") from None
+    return path
 
 
 def plan_sentence(plan: dict[str, Any]) -> str:
@@ -73,13 +91,14 @@ def plan_sentence(plan: dict[str, Any]) -> str:
     if not plan:
         return "no batch plan recorded (plan.json is missing)"
     text = (
-        f"effective batch {plan.get('global_batch_size')} = micro {plan.get('micro_batch_size')} × accumulation "
-        f"{plan.get('accumulation_steps')} × world {plan.get('world_size')}; peak LR {plan.get('lr', 0):.4g}"
+        f"effective batch {_value(plan.get('global_batch_size'))} = micro {_value(plan.get('micro_batch_size'))} × "
+        f"accumulation {_value(plan.get('accumulation_steps'))} × world {_value(plan.get('world_size'))}; "
+        f"peak LR {_value(plan.get('lr'))}"
     )
     base, rule = plan.get("base_batch_size"), plan.get("scaling_rule")
     if base and plan.get("global_batch_size"):
         k = plan["global_batch_size"] / base
-        text += f" ({rule} rule: base LR {plan.get('base_lr'):.4g} at batch {base}, scale-up ×{k:g})"
+        text += f" ({one_line(rule)} rule: base LR {_value(plan.get('base_lr'))} at batch {base}, scale-up ×{k:g})"
     else:
         text += " (unscaled: no base batch size)"
     return text
@@ -104,10 +123,15 @@ def _fmt(x: Any, spec: str = ".4g") -> str:
     return "n/a (not finite)" if x is None else format(x, spec)
 
 
+def _value(x: Any) -> str:
+    """A number of the plan (a count in full, a rate to 4 digits); ``?`` for one the plan does not record."""
+    return "?" if x is None else str(x) if isinstance(x, int) else format(x, ".4g")
+
+
 def _stopped_line(rec: RunRecord, stopped: str | None, steps: int) -> str | None:
     total = rec.plan.get("total_steps")
     if stopped:
-        return f"stopped early: {one_line(stopped)}"
+        return f"stopped early: {md(stopped)}"
     if total and steps < total:
         return f"stopped early: {steps} of {total} planned optimizer steps ran"
     return None
@@ -117,30 +141,31 @@ def _nonfinite_line(rec: RunRecord) -> str | None:
     path = rec.run.path / "nonfinite_report.json"
     if not path.exists():
         return None
-    sentence = (load_json(path, what="non-finite report") or {}).get("sentence")
-    return f"non-finite steps: {one_line(sentence)} (`nonfinite_report.json`)" if sentence else None
+    sentence = check_nonfinite_report(load_json(path, what="non-finite report"), str(path))
+    return f"non-finite steps: {md(sentence)} (`nonfinite_report.json`)" if sentence else None
 
 
 def summary_markdown(rec: RunRecord, rep: Report, stopped: str | None) -> str:
-    """The text of ``summary.md``."""
+    """The text of ``summary.md``: every value a user controls (names, config, provenance, messages) goes through
+    :func:`~steadytrain._text.md`; the table holds numbers this function formats."""
     s = _stats(rec)
     threshold = (rec.config.get("clip") or {}).get("max_grad_norm")
     rows = [
-        ("optimizer steps", f"{s['steps']} of {rec.plan.get('total_steps', '?')} planned"),
+        ("optimizer steps", f"{s['steps']} of {_value(rec.plan.get('total_steps'))} planned"),
         ("skipped (non-finite) steps", str(s["skipped"])),
         ("clipped steps", f"{s['clipped']}" + (f" (global norm above {threshold:g})" if threshold else "")),
         ("final loss", f"{_fmt(s['final'])} (smoothed {_fmt(s['smoothed'])})"),
         ("throughput", f"median {_fmt(s['rate'], '.4g')} examples/s" if s["rate"] else "n/a"),
         ("wall time", f"{s['elapsed']:.1f} s" if s["elapsed"] is not None else "n/a"),
     ]
-    lines = [f"# Run {rec.name}", "", f"- {plan_sentence(rec.plan)}", *_schedule_lines(rec)]
+    lines = [f"# Run {md(rec.name)}", "", f"- {md(plan_sentence(rec.plan))}", *_schedule_lines(rec)]
     lines += [f"- {x}" for x in (_stopped_line(rec, stopped, s["steps"]), _nonfinite_line(rec)) if x]
     lines += ["", "| | |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows), ""]
-    lines += [f"**Environment.** {environment_paragraph(rec.env)}", ""]
+    lines += [f"**Environment.** {md(environment_paragraph(rec.env))}", ""]
     for name, path in rep.plots.items():
         lines += [f"![{name}](plots/{path.name})", ""]
     for name, why in rep.failed.items():
-        lines += [f"- the {name} plot could not be drawn: {why}"]
+        lines += [f"- the {name} plot could not be drawn: {md(why)}"]
     return "\n".join(lines).rstrip() + "\n"
 
 
@@ -148,10 +173,11 @@ def _schedule_lines(rec: RunRecord) -> list[str]:
     batch, plan = rec.config.get("batch") or {}, rec.plan
     if plan.get("warmup_steps") is None:
         return []
-    return [
-        f"- warmup {plan['warmup_steps']} optimizer step(s), then {batch.get('decay', 'cosine')} decay to "
+    text = (
+        f"warmup {plan['warmup_steps']} optimizer step(s), then {batch.get('decay', 'cosine')} decay to "
         f"{batch.get('min_lr_ratio', 0):g} × peak; seed {(rec.config.get('run') or {}).get('seed')}"
-    ]
+    )
+    return [f"- {md(text)}"]
 
 
 def environment_paragraph(env: dict[str, Any] | None) -> str:

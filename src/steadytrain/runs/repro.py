@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from steadytrain._check import check_int
+from steadytrain._text import error_text, one_line
 from steadytrain.env import SCOPES, diff
 from steadytrain.env.compare import IDENTITY
 from steadytrain.errors import UserError
@@ -40,7 +42,8 @@ COMPARED = ("loss", "grad_norm", "skipped")
 
 @dataclass
 class Repro:
-    """The verdict of :func:`repro`."""
+    """The verdict of :func:`repro`. ``reproduced`` is about the numbers; ``env_compared`` says whether the
+    record had an environment to compare this machine with (``env.json``): the validation needs both."""
 
     reproduced: bool
     sentence: str
@@ -51,9 +54,15 @@ class Repro:
     env: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     rerun_dir: str | None = None
+    env_compared: bool = True
+
+    @property
+    def validated(self) -> bool:
+        """The numbers reproduced and the environment was compared: what ``steadytrain repro`` exits 0 on."""
+        return self.reproduced and self.env_compared
 
     def to_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        return {**self.__dict__, "validated": self.validated}
 
 
 def _config(rec: RunRecord, notes: list[str]) -> Any:
@@ -64,7 +73,7 @@ def _config(rec: RunRecord, notes: list[str]) -> Any:
     data = rec.plan.get("data")
     if (rec.config.get("data") or {}).get("path") is not None and data:
         if not Path(data).is_dir():
-            raise UserError(f"{rec.run.path}: the run's data {data} is gone: restore it to re-run the run")
+            raise UserError(f"{rec.run.path}: the run's data {one_line(data)} is gone: restore it to re-run the run")
         overrides.append(f"data.path={data}")
     cfg = load_config(rec.run.config, overrides)
     if not (rec.config.get("run") or {}).get("deterministic"):
@@ -112,23 +121,25 @@ def env_differences(recorded: dict[str, Any] | None, now: dict[str, Any] | None)
     return out
 
 
-def _env_phrase(env: dict[str, list[dict[str, Any]]]) -> str:
-    items = [f"{d['path']} {shown(d['a'])} recorded, {shown(d['b'])} here" for s in SCOPES for d in env[s]]
+def _env_phrase(env: dict[str, list[dict[str, Any]]] | None) -> str:
+    if env is None:
+        return "no environment record to compare this machine with (env.json is missing): the environment is unknown"
+    items = [f"{one_line(d['path'])} {shown(d['a'])} recorded, {shown(d['b'])} here" for s in SCOPES for d in env[s]]
     if not items:
         return "the environment is the same as recorded (image, host, code, settings)"
     more = f" (+{len(items) - 4} more)" if len(items) > 4 else ""
     return "environment differences: " + "; ".join(items[:4]) + more
 
 
-def _sentence(steps: int, first: int | None, fields: dict, env: dict, notes: list[str]) -> str:
+def _sentence(steps: int, first: int | None, fields: dict, env: dict | None, notes: list[str]) -> str:
     if first is None:
         text = f"reproduced exactly: losses and grad norms of steps 1-{steps} are bit-identical to the record"
         return f"{text}; {_env_phrase(env)}"
     values = ", ".join(f"{k} {shown(a)} recorded vs {shown(b)} now" for k, (a, b) in fields.items())
     text = f"not reproduced: step {first} differs ({values}); {_env_phrase(env)}"
-    if not any(env.values()):
+    if env is not None and not any(env.values()):
         text += " - suspect non-determinism or a change this manifest does not capture"
-    return text + "".join(f"; note: {n}" for n in notes)
+    return text + "".join(f"; note: {one_line(n)}" for n in notes)
 
 
 def repro(run: str | Path, steps: int | None = None, *, out: str | Path | None = None) -> Repro:
@@ -141,9 +152,12 @@ def repro(run: str | Path, steps: int | None = None, *, out: str | Path | None =
 
     Raises:
         UserError: not a run directory, no recorded metrics, the data is gone, ``out`` exists.
+        Interrupted: SIGINT/SIGTERM during the re-run (``exit_code`` 130/143): nothing is compared.
     """
-    from steadytrain.train.loop import TrainingStopped, train
+    from steadytrain.train.loop import Interrupted, TrainingStopped, train
 
+    if steps is not None:
+        check_int("steps", steps)
     rec = load_run(run)
     if out is None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise UserError("under torchrun give --out DIR: a new directory every rank can reach (no shared temp dir)")
@@ -159,14 +173,17 @@ def repro(run: str | Path, steps: int | None = None, *, out: str | Path | None =
     try:
         try:
             train(cfg, run_dir=where, stop_after=n)
+        except Interrupted as err:  # Ctrl-C: the user wants out, not a verdict on a cut-short re-run
+            kept = f"the re-run is kept in {where}" if out is not None else "the re-run was removed"
+            raise Interrupted(f"repro stopped by a signal: nothing was compared ({kept})", err.exit_code) from None
         except TrainingStopped as err:  # the record may have stopped too: compare what was written
-            notes.append(f"the re-run stopped early: {err}")
+            notes.append(f"the re-run stopped early: {error_text(err)}")
         now = load_run(where)
         first, fields = first_difference(rec.metrics[:n], now.metrics[:n])
-        env = env_differences(rec.env, now.env)
+        env = env_differences(rec.env, now.env) if rec.env is not None else None
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
     text = _sentence(n, first, fields, env, notes)
     kept = str(where) if out is not None else None
-    return Repro(first is None, text, n, first, fields, env, notes, kept)
+    return Repro(first is None, text, n, first, fields, env or {}, notes, kept, env_compared=env is not None)

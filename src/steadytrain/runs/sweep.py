@@ -17,11 +17,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from steadytrain._io import write_text_atomic
+from steadytrain._check import check_int
+from steadytrain._io import brief, write_text_atomic
+from steadytrain._text import md
 from steadytrain.errors import UserError
 from steadytrain.runs.record import load_run, smooth
 
-__all__ = ["HELD_UP_WITHIN", "Sweep", "linear_estimate", "parse_factors", "sweep"]
+__all__ = [
+    "FACTOR_RANGE",
+    "HELD_UP_WITHIN",
+    "MAX_TRIALS",
+    "Sweep",
+    "check_factors",
+    "factor_tag",
+    "linear_estimate",
+    "parse_factors",
+    "sweep",
+]
 
 log = logging.getLogger("steadytrain.runs")
 
@@ -29,6 +41,10 @@ LARGE_SCALE_UP = 8
 """A scale-up from the base batch from which the seed calls the linear rule less reliable (its example: 256 -> 2048)."""
 HELD_UP_WITHIN = 0.01
 """The estimate held up when its smoothed final loss is within this fraction of the best trial's."""
+MAX_TRIALS = 12
+"""Factors (training runs) one sweep may start: a finer look is a second sweep around the best factor."""
+FACTOR_RANGE = (1e-6, 1e6)
+"""Multiples of the linear estimate a sweep may try: beyond, it is no longer a sweep around the estimate."""
 
 
 @dataclass
@@ -47,20 +63,56 @@ class Sweep:
         return {**self.__dict__, "dir": str(self.dir)}
 
 
+def factor_tag(factor: float) -> str:
+    """How a factor names its trial (``lr-x0.5``, ``lr-x1e-05``): 6 digits, no ``+`` (not allowed in a run name).
+
+    Example:
+        >>> factor_tag(0.25), factor_tag(1e6), factor_tag(2.0)
+        ('0.25', '1e06', '2')
+    """
+    return f"{factor:g}".replace("+", "")
+
+
+def check_factors(factors: list[float], source: str = "factors") -> list[float]:
+    """``factors`` sorted, if a sweep can run them: 2 to :data:`MAX_TRIALS` distinct finite numbers in
+    :data:`FACTOR_RANGE`; else a :class:`UserError` starting with ``source`` that says what to give.
+
+    Example:
+        >>> check_factors([2, 0.5, 1])
+        [0.5, 1.0, 2.0]
+    """
+    low, high = FACTOR_RANGE
+    for f in factors:
+        if isinstance(f, bool) or not isinstance(f, int | float) or not math.isfinite(f) or f <= 0:
+            raise UserError(f"{source}: {brief(f)} is not a positive finite number: give e.g. 0.25,0.5,1,2,4")
+        if not low <= f <= high:
+            raise UserError(f"{source}: factor {f:g} is outside {low:g}..{high:g} (multiples of the linear estimate)")
+    tags = [factor_tag(f) for f in factors]
+    if len(set(tags)) != len(tags):
+        raise UserError(f"{source}: give distinct factors (equal to 6 significant digits: {', '.join(tags)})")
+    if len(factors) < 2:
+        raise UserError(f"{source}: give at least 2 distinct factors (e.g. 0.5,1,2): one trial compares nothing")
+    if len(factors) > MAX_TRIALS:
+        raise UserError(
+            f"{source}: {len(factors)} factors would start {len(factors)} training runs: at most {MAX_TRIALS} "
+            "per sweep (sweep again around the best factor for a finer look)"
+        )
+    return sorted(float(f) for f in factors)
+
+
 def parse_factors(text: str) -> list[float]:
-    """``"0.25,0.5,1,2,4"`` -> ``[0.25, 0.5, 1.0, 2.0, 4.0]`` (positive, finite, distinct).
+    """``"0.25,0.5,1,2,4"`` -> ``[0.25, 0.5, 1.0, 2.0, 4.0]`` (see :func:`check_factors`).
 
     Example:
         >>> parse_factors("1, 0.5,2")
         [0.5, 1.0, 2.0]
     """
+    source = f"--factors {brief(text)}"
     try:
         factors = [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise UserError(f"--factors {text!r}: give numbers separated by commas, e.g. 0.25,0.5,1,2,4") from None
-    if not factors or any(not math.isfinite(f) or f <= 0 for f in factors) or len(set(factors)) != len(factors):
-        raise UserError(f"--factors {text!r}: give distinct positive numbers, e.g. 0.25,0.5,1,2,4")
-    return sorted(factors)
+        raise UserError(f"{source}: give numbers separated by commas, e.g. 0.25,0.5,1,2,4") from None
+    return check_factors(factors, source)
 
 
 def linear_estimate(cfg: Any, world_size: int) -> tuple[float, float | None]:
@@ -76,22 +128,66 @@ def linear_estimate(cfg: Any, world_size: int) -> tuple[float, float | None]:
 
 
 def _trial_config(cfg: Any, factor: float, steps: int) -> Any:
-    """The config with LR = factor x the linear estimate (the linear rule from a scaled base LR)."""
+    """The config with LR = factor x the linear estimate (the linear rule from a scaled base LR), validated."""
+    from pydantic import ValidationError
+
+    from steadytrain.train.config import _error_line
+
+    suffix = f"-lr-x{factor_tag(factor)}"
     trial = cfg.model_copy(deep=True)
-    trial.batch.base_lr = cfg.batch.base_lr * factor
-    trial.batch.scaling = "linear"
-    trial.run.max_steps = steps
-    trial.run.name = f"{cfg.run.name}-lr-x{factor:g}"
+    try:  # the config validates each assignment
+        trial.batch.base_lr = cfg.batch.base_lr * factor
+        trial.batch.scaling = "linear"
+        trial.run.max_steps = steps
+        trial.run.name = cfg.run.name[: 100 - len(suffix)] + suffix
+    except ValidationError as err:
+        raise UserError(_error_line(err, f"the trial at factor {factor:g}")) from None
     return trial
 
 
-def _trial(cfg: Any, factor: float, steps: int, where: Path) -> dict[str, Any]:
-    from steadytrain.train.loop import TrainingStopped, train
+def _trial_configs(cfg: Any, factors: list[float], steps: int, root: Path, world: int) -> list[Any]:
+    """Every trial's config, checked before the first one trains: a bad factor costs no training."""
+    from steadytrain.train.setup import batch_plan
+
+    out = []
+    for factor in factors:
+        trial = _trial_config(cfg, factor, steps)
+        lr = batch_plan(trial, world).lr
+        if lr is not None and not (math.isfinite(lr) and lr > 0):
+            raise UserError(f"--factors: factor {factor:g} gives LR {lr}: not a usable learning rate; lower it")
+        where = root / f"lr-x{factor_tag(factor)}"
+        if where.exists():
+            raise UserError(f"{where} exists (an earlier sweep?): choose another --sweep-dir (runs are never replaced)")
+        out.append(trial)
+    return out
+
+
+def _name(path: Path) -> str:
+    """A directory's own name, also for ``.`` (symlinks not followed)."""
+    return Path(os.path.abspath(path)).name or str(path)
+
+
+def _sweep_dir(path: str | Path) -> Path:
+    root = Path(path)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise UserError(f"--sweep-dir {brief(str(root))}: it or a parent is a file, not a directory") from None
+    except OSError as err:
+        raise UserError(f"--sweep-dir {brief(str(root))}: cannot be created ({err.strerror or err})") from None
+    return root
+
+
+def _trial(trial_cfg: Any, factor: float, where: Path) -> dict[str, Any]:
+    from steadytrain.train.loop import Interrupted, TrainingStopped, train
 
     stopped = None
     try:
-        train(_trial_config(cfg, factor, steps), run_dir=where)
-    except TrainingStopped as err:
+        train(trial_cfg, run_dir=where)
+    except Interrupted as err:  # Ctrl-C stops the sweep, not only this trial
+        text = f"sweep stopped by a signal during the trial at factor {factor:g}: {err}"
+        raise Interrupted(text, err.exit_code) from None
+    except TrainingStopped as err:  # diverged: a result of the sweep, not a failure of it
         stopped = str(err)
     rec = load_run(where)
     losses = rec.column("loss")
@@ -140,8 +236,9 @@ def verdict(trials: list[dict[str, Any]], scale_up: float | None) -> tuple[float
 
 
 def _table(result: Sweep) -> str:
+    """The text of ``sweep.md``: names and the sentence through :func:`~steadytrain._text.md`; numbers as formatted."""
     lines = [
-        f"# LR sweep {result.dir.name}",
+        f"# LR sweep {md(_name(result.dir))}",
         "",
         f"Linear-scaling estimate: LR {result.estimate:.4g}"
         + (f" (scale-up ×{result.scale_up:g})" if result.scale_up else " (unscaled base LR)"),
@@ -152,10 +249,10 @@ def _table(result: Sweep) -> str:
     for t in result.trials:
         fmt = lambda x: "n/a" if x is None else f"{x:.4g}"  # noqa: E731
         lines.append(
-            f"| {t['factor']:g} | {t['lr']:.4g} | {fmt(t['final_loss'])} | {fmt(t['smoothed_loss'])} | "
-            f"{'yes' if t['diverged'] else 'no'} | {Path(t['run_dir']).name} |"
+            f"| {t['factor']:g} | {fmt(t['lr'])} | {fmt(t['final_loss'])} | {fmt(t['smoothed_loss'])} | "
+            f"{'yes' if t['diverged'] else 'no'} | {md(Path(t['run_dir']).name)} |"
         )
-    lines += ["", result.sentence, "", "![loss against LR](loss_vs_lr.png)"]
+    lines += ["", md(result.sentence), "", "![loss against LR](loss_vs_lr.png)"]
     return "\n".join(lines) + "\n"
 
 
@@ -167,25 +264,33 @@ def sweep(cfg: Any, factors: list[float], steps: int, sweep_dir: str | Path) -> 
         factors: multiples of the linear-scaling estimate to try.
         steps: optimizer steps per trial.
         sweep_dir: the sweep's directory; each trial's run directory is new inside it (never overwritten).
+
+    Raises:
+        UserError: factors a sweep cannot run (:func:`check_factors`), a trial config or LR that is not
+            valid, a trial directory that exists, a ``sweep_dir`` that cannot be a directory; all before
+            the first trial trains.
+        Interrupted: SIGINT/SIGTERM during a trial (``exit_code`` 130/143): no further trial starts.
     """
     import json
 
     from steadytrain.runs.plots import sweep_plot
 
+    factors = check_factors(factors)
+    check_int("steps", steps)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     estimate, scale_up = linear_estimate(cfg, world)
-    root = Path(sweep_dir)
-    root.mkdir(parents=True, exist_ok=True)
+    configs = _trial_configs(cfg, factors, steps, Path(sweep_dir), world)
+    root = _sweep_dir(sweep_dir)
     trials = []
-    for n, factor in enumerate(factors, start=1):
+    for n, (factor, trial_cfg) in enumerate(zip(factors, configs, strict=True), start=1):
         log.info("trial %d/%d: factor %g, LR %.4g, %d steps", n, len(factors), factor, factor * estimate, steps)
-        trials.append(_trial(cfg, factor, steps, root / f"lr-x{factor:g}"))
+        trials.append(_trial(trial_cfg, factor, root / f"lr-x{factor_tag(factor)}"))
     best, held, text = verdict(trials, scale_up)
     result = Sweep(root, estimate, scale_up, trials, best, held, text)
     if int(os.environ.get("RANK", "0")) == 0:
         write_text_atomic(root / "sweep.json", json.dumps(result.to_dict(), indent=2, allow_nan=False) + "\n")
         try:
-            sweep_plot(trials, estimate, f"{root.name}: loss against learning rate ({steps} steps)",
+            sweep_plot(trials, estimate, f"{_name(root)}: loss against learning rate ({steps} steps)",
                        root / "loss_vs_lr.png")  # fmt: skip
         except Exception as err:  # the table and the verdict stand without the picture
             log.warning("%s: could not draw loss_vs_lr.png: %s: %s", root, type(err).__name__, err)
