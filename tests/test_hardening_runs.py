@@ -724,3 +724,14 @@ def test_ctrl_c_during_a_sweep_stops_the_sweep_not_only_its_trial(tmp_path):
     assert proc.returncode == 130, out + err
     assert "stopped: sweep stopped by a signal during the trial at factor 0.5" in err.splitlines()[-1]
     assert sorted(p.name for p in where.iterdir()) == ["lr-x0.5"] and not (where / "sweep.json").exists()
+
+
+def test_a_warning_about_a_hostile_run_path_stays_on_one_line(tmp_path):
+    run = fake_run(tmp_path / HOSTILE)
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"step": 7, "lo')
+    for args, reads in ((["report", str(run)], 1), (["compare", str(run), str(run)], 2)):
+        proc = cli(*args)
+        assert proc.returncode == 0, proc.stderr
+        lines = proc.stderr.splitlines()
+        assert len(lines) == reads and all("cut short" in x and "\\n## INJECTED" in x for x in lines)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,13 +18,18 @@ def _json(data: Any) -> None:
     click.echo(json.dumps(data, indent=2, allow_nan=False, default=str))
 
 
+def _logging() -> None:
+    """One-line records on stderr (a run path holding a newline stays on its line)."""
+    from steadytrain.cli._common import log_handler
+
+    root = logging.getLogger("steadytrain")
+    root.handlers[:], root.propagate = [log_handler()], False
+    root.setLevel(logging.INFO)
+
+
 def _quiet_training() -> None:
     """Training inside repro/sweep logs warnings only; the runs layer says what it does."""
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(message)s"))
-    root = logging.getLogger("steadytrain")
-    root.handlers[:], root.propagate = [handler], False
-    root.setLevel(logging.INFO)
+    _logging()
     logging.getLogger("steadytrain.train").setLevel(logging.WARNING)
 
 
@@ -47,6 +51,7 @@ def report(run: str) -> None:
     """Write RUN/plots/*.png and RUN/summary.md (loss, LR, grad norm, throughput; plan, environment)."""
     from steadytrain.runs import report as write_report
 
+    _logging()
     rep = write_report(Path(run))
     for name, path in rep.plots.items():
         click.echo(f"{name}: {one_line(path)}")
@@ -71,6 +76,7 @@ def compare(run_a: str, run_b: str, as_json: bool, plot: str | None) -> None:
     """Why two runs differ: config, data, environment by scope, then the first step whose losses differ."""
     from steadytrain.runs import compare as compare_runs
 
+    _logging()
     result = compare_runs(Path(run_a), Path(run_b), plot=plot)
     if as_json:
         _json(result.to_dict())
