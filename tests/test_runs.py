@@ -119,10 +119,12 @@ def test_a_report_that_fails_never_loses_the_run(data, tmp_path, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("plotting exploded")
 
-    monkeypatch.setattr(importlib.import_module("steadytrain.runs.report"), "report", broken)
+    report_module = importlib.import_module("steadytrain.runs.report")
+    monkeypatch.setattr(report_module, "report", broken)
     cfg = load_config(None, [*TINY, f"data.path={data}", "run.max_steps=2"])
     summary = run_training(cfg, run_dir=tmp_path / "run")
     assert summary["steps"] == 2
+    assert report_module.report_after_training(summary["run_dir"]) is None  # what `train` calls: it only warns
     assert "effective batch 16" in (tmp_path / "run" / "summary.md").read_text()  # the short summary stands
     assert len(metrics(tmp_path / "run")) == 2
 

@@ -77,6 +77,7 @@ def train(
     """Train: the embedded default with no CONFIG, or CONFIG.yaml; under torchrun on every rank."""
     from pathlib import Path
 
+    from steadytrain.runs.report import report_after_training
     from steadytrain.train.config import load_config
     from steadytrain.train.loop import TrainingStopped
     from steadytrain.train.loop import train as run_training
@@ -93,12 +94,16 @@ def train(
         check_before_launch(cfg, run_dir=Path(run_dir) if run_dir else None, resume=resume is not None)
         _handoff(nproc, sys.argv[1:])  # every mistake found here is said once, not once per rank
     _setup_logging()
+    main = os.environ.get("RANK", "0") == "0"
     try:
-        run_training(cfg, run_dir=Path(run_dir) if run_dir else None, resume=Path(resume) if resume else None)
+        done = run_training(cfg, run_dir=Path(run_dir) if run_dir else None, resume=Path(resume) if resume else None)
     except TrainingStopped as err:
-        if os.environ.get("RANK", "0") == "0":  # every rank stops for the same reason: say it once
+        if main:  # every rank stops for the same reason: say it once
+            report_after_training(err.run_dir, err.reason)
             click.echo(f"stopped: {err}", err=True)
         raise click.exceptions.Exit(err.exit_code) from None
+    if main:
+        report_after_training(done["run_dir"])
 
 
 @click.group("config")

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from steadytrain._io import one_line
+from steadytrain._mapping import flatten
 from steadytrain.env._schema import SCOPES, as_dict
 
 __all__ = ["Difference", "compare_ranks", "diff", "summarize"]
@@ -26,15 +27,6 @@ class Difference:
 
     def __str__(self) -> str:
         return f"{self.path}: {self.a} -> {self.b}"
-
-
-def _flatten(value: Any, prefix: str, out: dict[str, Any]) -> None:
-    # Packages and env knobs are compared key by key; other dicts too; lists as whole values.
-    if isinstance(value, dict) and value:
-        for k, v in value.items():
-            _flatten(v, f"{prefix}.{k}", out)
-    else:
-        out[prefix] = value
 
 
 def diff(a: Any, b: Any, *, ignore: set[str] | None = None) -> list[Difference]:
@@ -59,10 +51,7 @@ def diff(a: Any, b: Any, *, ignore: set[str] | None = None) -> list[Difference]:
     ignore = ignore or set()
     out: list[Difference] = []
     for scope in SCOPES:
-        fa: dict[str, Any] = {}
-        fb: dict[str, Any] = {}
-        _flatten(da.get(scope), scope, fa)
-        _flatten(db.get(scope), scope, fb)
+        fa, fb = flatten(da.get(scope), scope), flatten(db.get(scope), scope)
         for path in sorted(fa.keys() | fb.keys()):
             if path in ignore:
                 continue

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from steadytrain._io import load_json, load_yaml, one_line, read_jsonl
+from steadytrain._mapping import flatten
 from steadytrain.env import EnvManifest
 from steadytrain.errors import UserError
 from steadytrain.runs._schema import check_config, check_data, check_depth, check_metrics_row, check_plan
@@ -96,25 +97,6 @@ def load_run(path: str | Path) -> RunRecord:
         data=check_data(data, str(run.data)) if data is not None else None,
         metrics=_metrics(run.metrics),
     )
-
-
-def flatten(value: Any, prefix: str = "") -> dict[str, Any]:
-    """Nested mappings as ``{"a.b": leaf}`` (lists are leaves).
-
-    Example:
-        >>> flatten({"batch": {"base_lr": 0.01, "betas": [0.9, 0.95]}, "precision": "fp32"})
-        {'batch.base_lr': 0.01, 'batch.betas': [0.9, 0.95], 'precision': 'fp32'}
-    """
-    if not isinstance(value, dict):
-        return {prefix: value}
-    out: dict[str, Any] = {}
-    for key, child in value.items():
-        name = f"{prefix}.{key}" if prefix else str(key)
-        if isinstance(child, dict) and child:
-            out.update(flatten(child, name))
-        else:
-            out[name] = child
-    return out
 
 
 def smooth(values: list[float | None]) -> list[float | None]:

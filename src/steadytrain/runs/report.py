@@ -21,7 +21,7 @@ from steadytrain.runs import plots
 from steadytrain.runs._schema import check_nonfinite_report
 from steadytrain.runs.record import RunRecord, load_run, smooth
 
-__all__ = ["PLOTS", "Report", "environment_paragraph", "plan_sentence", "report"]
+__all__ = ["PLOTS", "Report", "environment_paragraph", "plan_sentence", "report", "report_after_training"]
 
 log = logging.getLogger("steadytrain.runs")
 
@@ -72,6 +72,16 @@ def report(run: str | Path, *, stopped: str | None = None) -> Report:
             log.warning("%s: could not draw the %s plot: %s", rec.run.path, name, out.failed[name])
     write_text_atomic(out.summary, summary_markdown(rec, out, stopped))
     return out
+
+
+def report_after_training(run: str | Path, stopped: str | None = None) -> Report | None:
+    """:func:`report` at the end of ``steadytrain train`` (rank 0): a failure only warns, leaving the
+    short summary the run wrote in place: a picture is never worth losing a run over."""
+    try:
+        return report(run, stopped=stopped)
+    except Exception as err:
+        log.warning("%s: the report (plots, summary.md) was not written: %s: %s", run, type(err).__name__, err)
+        return None
 
 
 def _plots_dir(rec: RunRecord) -> Path:

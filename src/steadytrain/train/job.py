@@ -29,6 +29,8 @@ class TrainingStopped(RuntimeError):
     exit_code = 1
     run_dir: str | None = None
     """The run directory (the command writes its report after the job)."""
+    reason: str | None = None
+    """Why it stopped, for the report (the message adds how to resume)."""
 
 
 class Interrupted(TrainingStopped):

@@ -149,7 +149,7 @@ def _run(job: Job) -> dict[str, Any]:
         err: TrainingStopped = Interrupted(f"{stopped}; {how}", job.stop.exit_code)
     else:
         err = TrainingStopped(stopped)
-    err.run_dir = str(job.run.path)
+    err.run_dir, err.reason = str(job.run.path), stopped
     raise err
 
 

@@ -15,9 +15,10 @@ from typing import Any
 import torch
 
 from steadytrain._io import append_jsonl, brief, utc_now
+from steadytrain._mapping import flatten
 from steadytrain.errors import UserError
 
-__all__ = ["apply_hyperparameters", "config_changes", "flatten", "hyperparameters", "record_resume", "refuse_changes"]
+__all__ = ["apply_hyperparameters", "config_changes", "hyperparameters", "record_resume", "refuse_changes"]
 
 _REFUSED = {
     "model.": "the checkpoint's weights belong to the model it was saved from",
@@ -27,25 +28,6 @@ _REFUSED = {
     "run.name": "a resumed run stays in its own directory",
     "run.dir": "a resumed run stays in its own directory",
 }
-
-
-def flatten(value: Any, prefix: str = "") -> dict[str, Any]:
-    """Nested mappings as ``{"a.b": leaf}`` (lists are leaves).
-
-    Example:
-        >>> flatten({"batch": {"base_lr": 0.01, "betas": [0.9, 0.95]}, "precision": "fp32"})
-        {'batch.base_lr': 0.01, 'batch.betas': [0.9, 0.95], 'precision': 'fp32'}
-    """
-    if not isinstance(value, dict):
-        return {prefix: value}
-    out: dict[str, Any] = {}
-    for key, child in value.items():
-        name = f"{prefix}.{key}" if prefix else str(key)
-        if isinstance(child, dict) and child:
-            out.update(flatten(child, name))
-        else:
-            out[name] = child
-    return out
 
 
 def config_changes(saved: dict[str, Any], new: dict[str, Any]) -> dict[str, list[Any]]:

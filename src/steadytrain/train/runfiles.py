@@ -239,17 +239,6 @@ def _nonfinite_report(job: Job) -> str | None:
     return rep.sentence
 
 
-def _report(job: Job, stopped: str | None) -> None:
-    """Rank 0: plots and the full ``summary.md`` (:func:`steadytrain.runs.report`); a failure only warns,
-    leaving the short summary above in place: a picture is never worth losing a run over."""
-    try:
-        from steadytrain.runs.report import report
-
-        report(job.run.path, stopped=stopped)
-    except Exception as err:
-        log.warning("%s: the report (plots, summary.md) was not written: %s: %s", job.run.path, type(err).__name__, err)
-
-
 def finish(job: Job, stopped: str | None) -> dict[str, Any]:
     """Write ``summary.md``; log and return the run's numbers."""
     last = job.metrics.last if job.metrics else {}
@@ -275,8 +264,7 @@ def finish(job: Job, stopped: str | None) -> dict[str, Any]:
             lines.append(f"- stopped early: {md(stopped)}")
         if sentence := _nonfinite_report(job):
             lines.append(f"- non-finite steps: {md(sentence)} (nonfinite\\_report.json)")
-        write_text_atomic(job.run.summary, "\n".join(lines) + "\n")
-        _report(job, stopped)
+        write_text_atomic(job.run.summary, "\n".join(lines) + "\n")  # the command adds plots (runs.report)
         log.info(
             "%s: %d steps (%d skipped), final loss %s, %.1f s; run directory %s",
             "stopped" if stopped else "done",
