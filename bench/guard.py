@@ -112,7 +112,7 @@ def bench_hunt(work: Path, rows: int, repeats: int) -> None:
         t1 = time.perf_counter()
         bad, _, _ = _sweep(model, batch, chunk)
         t2 = time.perf_counter()
-        hunt(run, 5)
+        hunt(run, 5, loader=run_model)
         t3 = time.perf_counter()
         plain.append(t1 - t0)
         swept.append(t2 - t1)

@@ -25,8 +25,10 @@ import torch
 import yaml
 
 from steadytrain.data import global_batch, open_dataset
-from steadytrain.diagnose import hunt, read_ledger, report
+from steadytrain.diagnose import hunt as diagnose_hunt
+from steadytrain.diagnose import read_ledger, report
 from steadytrain.diagnose.demo import LATER, NEW_VALUE, PROVENANCE, make_dataset, train_config
+from steadytrain.train.replay import run_model
 
 EXE = str(Path(sys.executable).with_name("steadytrain"))
 SHARDS = 40
@@ -35,6 +37,11 @@ _rng = random.Random(SEED)
 BAD = _rng.randrange(1, SHARDS)  # the test's secret, from SEED
 RANK = _rng.randrange(2)  # the rank that reads the bad rows in the two-rank test
 WHO = f"seed={SEED} (STEADYTRAIN_TEST_SEED) bad shard={BAD}"
+
+
+def hunt(*args, **kwargs):
+    """The library's hunt with the run's own model builder (what `steadytrain nan hunt` passes in)."""
+    return diagnose_hunt(*args, loader=run_model, **kwargs)
 
 
 def env() -> dict[str, str]:

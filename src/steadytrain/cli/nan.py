@@ -79,8 +79,9 @@ def report_cmd(run: str, as_json: bool) -> None:
 def hunt_cmd(run: str, shard: int | None, checkpoint: str | None, step: int | None, as_json: bool) -> None:
     """Replay one shard (or one step) of RUN in this process: module, examples, fields, provenance."""
     from steadytrain.diagnose import hunt
+    from steadytrain.train.replay import run_model
 
-    found = hunt(Path(run), shard, checkpoint=checkpoint, step=step)
+    found = hunt(Path(run), shard, loader=run_model, checkpoint=checkpoint, step=step)
     _json(found.to_dict()) if as_json else _print_hunt(found)
 
 
@@ -113,7 +114,9 @@ def demo_nan(root: str | None, variant: str, shards: int) -> None:
     where = Path(root) if root else Path(tempfile.mkdtemp(prefix="steadytrain-demo-nan-"))
     variants = ("shard", "lr") if variant == "both" else (variant,)
     t0 = time.perf_counter()
-    for result in run_demo(where, variants=variants, shards=shards):
+    from steadytrain.train.replay import run_model
+
+    for result in run_demo(where, loader=run_model, variants=variants, shards=shards):
         ended = "finished" if result.returncode == 0 else f"stopped early (exit {result.returncode})"
         click.echo(f"\n== {result.variant}: training {ended}; run directory {one_line(result.run_dir)}")
         click.echo("$ steadytrain nan report RUN")

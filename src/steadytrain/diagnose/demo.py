@@ -29,7 +29,7 @@ from filelock import FileLock, Timeout
 
 from steadytrain._io import brief, write_text_atomic
 from steadytrain.data import DatasetWriter, open_dataset
-from steadytrain.diagnose.hunt import HuntReport, hunt
+from steadytrain.diagnose.hunt import HuntReport, Loader, hunt
 from steadytrain.diagnose.report import NonFiniteReport, report
 from steadytrain.errors import UserError
 
@@ -120,7 +120,7 @@ class DemoResult:
     hunt: HuntReport | None
 
 
-def _variant(root: Path, variant: str, shards: int, nproc: int) -> DemoResult:
+def _variant(root: Path, variant: str, shards: int, nproc: int, loader: Loader) -> DemoResult:
     lr = variant == "lr"
     data = root / ("data-clean" if lr else "data")
     if not (data / "index.json").exists():
@@ -141,12 +141,22 @@ def _variant(root: Path, variant: str, shards: int, nproc: int) -> DemoResult:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
         raise UserError(f"demo training failed (exit {proc.returncode}): {tail[0]} (log: {root / variant}.log)")
     rep = report(run_dir)
-    found = hunt(run_dir, rep.suspect_shards[0]) if rep.suspect_shards else None
+    found = hunt(run_dir, rep.suspect_shards[0], loader=loader) if rep.suspect_shards else None
     return DemoResult(variant, run_dir, proc.returncode, rep, found)
 
 
-def run_demo(root: str | Path, *, variants: tuple[str, ...] = ("shard", "lr"), shards: int = 200, nproc: int = 2):
+def run_demo(
+    root: str | Path,
+    *,
+    loader: Loader,
+    variants: tuple[str, ...] = ("shard", "lr"),
+    shards: int = 200,
+    nproc: int = 2,
+):
     """Build the data, train each variant on ``nproc`` ranks, and diagnose it; yields a :class:`DemoResult` each.
+
+    ``loader`` builds a run's model for :func:`~steadytrain.diagnose.hunt.hunt` (the command passes
+    ``steadytrain.train.replay.run_model``).
 
     Raises:
         UserError: ``root`` (or a parent) is a file or cannot be created, another demo is writing there,
@@ -163,7 +173,7 @@ def run_demo(root: str | Path, *, variants: tuple[str, ...] = ("shard", "lr"), s
         raise UserError(f"{root}: cannot lock the demo directory ({err.strerror or err})") from None
     try:
         for variant in variants:
-            yield _variant(root, variant, shards, nproc)
+            yield _variant(root, variant, shards, nproc, loader)
     finally:
         lock.release()
 

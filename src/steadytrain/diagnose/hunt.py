@@ -42,7 +42,7 @@ from steadytrain.diagnose._hooks import Probe
 from steadytrain.diagnose.ledger import read_ledger
 from steadytrain.errors import UserError
 
-__all__ = ["HuntReport", "hunt"]
+__all__ = ["HuntReport", "Loader", "hunt"]
 
 log = logging.getLogger("steadytrain.diagnose")
 
@@ -227,13 +227,18 @@ def _first_event_step(run_dir: Path, shard: int | None) -> int | None:
     return min(mine or [s for s, _ in events], default=None)
 
 
-def _load(run_dir: Path, model: nn.Module | None, checkpoint: Any, before: int | None) -> tuple[nn.Module, dict]:
+Loader = Callable[..., tuple[nn.Module, dict[str, Any]]]
+"""``loader(run_dir, checkpoint=..., before_step=...) -> (model, settings)``: builds a run's model with the
+weights of a checkpoint (or its initial weights) and the settings a replay needs. Building a model is the
+training layer's business: :func:`steadytrain.train.replay.run_model` is the one the command passes in."""
+
+
+def _load(
+    loader: Loader, run_dir: Path, model: nn.Module | None, checkpoint: Any, before: int | None
+) -> tuple[nn.Module, dict]:
     """The model and the replay settings: the run's model with the weights of the newest state at or before
     step ``before`` (a checkpoint, or the run's initial weights; never a later one), or ``model`` as given."""
-    # The run's model is built as train builds it: diagnose does not know the model registry.
-    from steadytrain.train.replay import run_model
-
-    built, settings = run_model(run_dir, checkpoint=checkpoint, before_step=before)
+    built, settings = loader(run_dir, checkpoint=checkpoint, before_step=before)
     if model is None:
         return built, settings
     return model, settings | {
@@ -247,6 +252,7 @@ def hunt(
     run_dir: str | Path,
     shard: int | None = None,
     *,
+    loader: Loader,
     checkpoint: str | Path | None = None,
     step: int | None = None,
     model: nn.Module | None = None,
@@ -258,6 +264,8 @@ def hunt(
     Args:
         run_dir: the run directory.
         shard: the suspect shard (``steadytrain nan report`` names it). Optional with ``step``.
+        loader: builds the run's model and replay settings (see :data:`Loader`; diagnose never imports
+            train: ``steadytrain.train.replay.run_model`` is the usual one).
         checkpoint: the weights to use; default: the weights the run's first non-finite step involving
             ``shard`` (or ``step``) started from, that is the newest checkpoint at or before the step
             before it, or the run's initial weights (rebuilt from its seed) when it saved none that
@@ -282,7 +290,7 @@ def hunt(
         raise UserError(f"step={step}: optimizer steps count from 1 (as metrics.jsonl and the ledger do)")
     before = step - 1 if step is not None else _first_event_step(run_dir, shard)
     before = before - 1 if step is None and before is not None else before
-    net, settings = _load(run_dir, model, checkpoint, before)
+    net, settings = _load(loader, run_dir, model, checkpoint, before)
     net.eval()  # deterministic replay: no dropout
     ds = open_dataset(settings["data"])
     if shard is not None:
