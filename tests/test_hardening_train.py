@@ -364,3 +364,28 @@ def test_ctrl_c_on_nproc_stops_every_rank_with_a_checkpoint_and_no_traceback(tmp
     (saved,) = [p.name for p in (run / "checkpoints").iterdir()]
     assert saved in ("step-00000002.pt", "step-00000003.pt")  # the agreement is read one boundary later
     assert [r["step"] for r in _rows(run)] == list(range(1, int(saved[5:13]) + 1))
+
+
+def test_a_relative_data_path_is_stored_absolute_so_the_run_resumes_from_anywhere(tmp_path, data):
+    import shutil
+
+    work, elsewhere = tmp_path / "work", tmp_path / "elsewhere"
+    work.mkdir()
+    elsewhere.mkdir()
+    shutil.copytree(data, work / "data")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    first = subprocess.run(
+        [EXE, "train", "--run-dir", "run", *sets(*TINY, "data.path=data", "run.max_steps=2")],
+        cwd=work, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert first.returncode == 0, first.stderr
+    run = work / "run"
+    assert json.loads((run / "plan.json").read_text())["data"] == str((work / "data").resolve())
+    assert f"path: {(work / 'data').resolve()}" in (run / "config.yaml").read_text()
+    resumed = subprocess.run(
+        [EXE, "train", "--resume", str(run), *sets("run.max_steps=3")],
+        cwd=elsewhere, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr
+    (record,) = [json.loads(x) for x in (run / "resumes.jsonl").read_text().splitlines()]
+    assert record["changes"] == {"run.max_steps": [2, 3]}  # the data path did not "change"

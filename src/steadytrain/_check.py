@@ -43,3 +43,24 @@ def check_finite(name: str, value: object, *, minimum: float | None = None, stri
     if minimum is not None and (out <= minimum if strict else out < minimum):
         raise UserError(f"{name}={brief(value)} must be {'>' if strict else '>='} {minimum}")
     return out
+
+
+def check_text(name: str, value: object) -> str:
+    """``value`` if it is a string, else a :class:`UserError` naming ``name`` and the type given."""
+    if not isinstance(value, str):
+        raise UserError(f"{name}={brief(value)} must be a string ({type(value).__name__} given)")
+    return value
+
+
+def check_flag(name: str, value: object) -> bool:
+    """``value`` if it is a bool (not 0/1), else a :class:`UserError` naming ``name``."""
+    if not isinstance(value, bool):
+        raise UserError(f"{name}={brief(value)} must be true or false ({type(value).__name__} given)")
+    return value
+
+
+def check_mapping(name: str, value: object) -> dict:
+    """``value`` if it is a mapping (a JSON object), else a :class:`UserError` naming ``name``."""
+    if not isinstance(value, dict):
+        raise UserError(f"{name}={brief(value)} must be a mapping ({type(value).__name__} given)")
+    return value

@@ -29,6 +29,7 @@ from steadytrain.errors import UserError
 __all__ = [
     "append_jsonl",
     "brief",
+    "ensure_dir",
     "load_json",
     "load_yaml",
     "one_line",
@@ -117,6 +118,24 @@ def _cannot_create(path: Path, err: OSError) -> UserError:
     if isinstance(err, PermissionError):
         return UserError(f"{path}: directory {str(path.parent)!r} is not writable")
     return UserError(f"{path}: cannot create a file in {str(path.parent)!r} ({err.strerror or err})")
+
+
+def ensure_dir(path: str | Path, what: str, *, error: type[UserError] = UserError) -> Path:
+    """``path`` as a directory, created with its parents when missing; otherwise one ``error`` naming ``what``.
+
+    Example:
+        >>> import tempfile, os
+        >>> ensure_dir(os.path.join(tempfile.mkdtemp(), "a", "b"), "--dir").is_dir()
+        True
+    """
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise error(f"{what} {brief(str(path))}: it or a parent is a file, not a directory") from None
+    except OSError as err:
+        raise error(f"{what} {brief(str(path))}: cannot be created ({err.strerror or err})") from None
+    return path
 
 
 def write_atomic(path: str | Path, write: Callable[[IO[bytes]], None], *, replace: bool = True) -> None:

@@ -25,7 +25,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from steadytrain._check import check_int
-from steadytrain._io import brief, utc_now, write_atomic, write_text_atomic
+from steadytrain._io import brief, ensure_dir, utc_now, write_atomic, write_text_atomic
 from steadytrain.data.index import (
     FORMAT,
     INDEX,
@@ -218,12 +218,7 @@ class DatasetWriter:
             raise DatasetError(f"{self.path}: provenance = {brief(provenance)} must be a mapping")
         self.provenance = dict(provenance or {})
         check_json(self.provenance, f"{self.path}: provenance")
-        try:
-            self.path.mkdir(parents=True, exist_ok=True)
-        except (FileExistsError, NotADirectoryError):
-            raise DatasetError(f"{self.path}: exists and is not a directory") from None
-        except OSError as err:
-            raise DatasetError(f"{self.path}: cannot create the dataset directory ({err.strerror})") from None
+        ensure_dir(self.path, "dataset directory", error=DatasetError)
         if (self.path / INDEX).exists():
             Dataset(self.path, load_index(self.path))  # refuse a malformed index now, not at the first shard
         self._lock = filelock.FileLock(str(self.path / LOCK), timeout=LOCK_TIMEOUT_S)

@@ -27,7 +27,7 @@ import pyarrow as pa
 import yaml
 from filelock import FileLock, Timeout
 
-from steadytrain._io import brief, write_text_atomic
+from steadytrain._io import ensure_dir, write_text_atomic
 from steadytrain.data import DatasetWriter, open_dataset
 from steadytrain.diagnose.hunt import HuntReport, Loader, hunt
 from steadytrain.diagnose.report import NonFiniteReport, report
@@ -179,11 +179,4 @@ def run_demo(
 
 
 def _root(path: str | Path) -> Path:
-    root = Path(path)
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-    except (FileExistsError, NotADirectoryError):
-        raise UserError(f"--dir {brief(str(root))}: it or a parent is a file, not a directory") from None
-    except OSError as err:
-        raise UserError(f"--dir {brief(str(root))}: cannot be created ({err.strerror or err})") from None
-    return root
+    return ensure_dir(path, "--dir")

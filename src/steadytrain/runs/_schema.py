@@ -14,7 +14,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from steadytrain._check import check_finite, check_int
+from steadytrain._check import check_finite, check_flag, check_int, check_mapping, check_text
 from steadytrain._io import brief
 from steadytrain.errors import UserError
 from steadytrain.schedule import DECAYS, MAX_COUNT
@@ -38,27 +38,9 @@ CONFIG_FIX = "the run's resolved config is damaged: restore config.yaml from a c
 DATA_FIX = "the data record is damaged: restore data.json (or delete it: compare then reads the dataset now)"
 
 
-def _text(name: str, value: Any) -> str:
-    if not isinstance(value, str):
-        raise UserError(f"{name}={brief(value)} must be a string ({type(value).__name__} given)")
-    return value
-
-
 def _path(name: str, value: Any) -> str:
-    if "\x00" in _text(name, value):
+    if "\x00" in check_text(name, value):
         raise UserError(f"{name}={brief(value)} is not a path (it holds a NUL byte)")
-    return value
-
-
-def _flag(name: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise UserError(f"{name}={brief(value)} must be true or false ({type(value).__name__} given)")
-    return value
-
-
-def _mapping(name: str, value: Any) -> dict:
-    if not isinstance(value, dict):
-        raise UserError(f"{name}={brief(value)} must be a mapping ({type(value).__name__} given)")
     return value
 
 
@@ -69,7 +51,7 @@ def _fraction(name: str, value: Any) -> float:
 
 
 def _decay(name: str, value: Any) -> str:
-    if _text(name, value) not in DECAYS:
+    if check_text(name, value) not in DECAYS:
         raise UserError(f"{name}={brief(value)} is not a decay: one of {', '.join(DECAYS)}")
     return value
 
@@ -83,10 +65,10 @@ KINDS: dict[str, Check] = {
     "nonnegative": lambda n, v: check_finite(n, v, minimum=0.0),
     "positive number": lambda n, v: check_finite(n, v, minimum=0.0, strict=True),
     "fraction": _fraction,
-    "flag": _flag,
-    "text": _text,
+    "flag": check_flag,
+    "text": check_text,
     "path": _path,
-    "mapping": _mapping,
+    "mapping": check_mapping,
     "decay": _decay,
 }
 

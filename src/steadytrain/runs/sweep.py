@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from steadytrain._check import check_int
-from steadytrain._io import brief, write_text_atomic
+from steadytrain._io import brief, ensure_dir, write_text_atomic
 from steadytrain._text import md
 from steadytrain.errors import UserError
 from steadytrain.runs.record import load_run, smooth
@@ -131,7 +131,7 @@ def _trial_config(cfg: Any, factor: float, steps: int) -> Any:
     """The config with LR = factor x the linear estimate (the linear rule from a scaled base LR), validated."""
     from pydantic import ValidationError
 
-    from steadytrain.train.config import _error_line
+    from steadytrain.train.config import error_line
 
     suffix = f"-lr-x{factor_tag(factor)}"
     trial = cfg.model_copy(deep=True)
@@ -141,7 +141,7 @@ def _trial_config(cfg: Any, factor: float, steps: int) -> Any:
         trial.run.max_steps = steps
         trial.run.name = cfg.run.name[: 100 - len(suffix)] + suffix
     except ValidationError as err:
-        raise UserError(_error_line(err, f"the trial at factor {factor:g}")) from None
+        raise UserError(error_line(err, f"the trial at factor {factor:g}")) from None
     return trial
 
 
@@ -168,14 +168,7 @@ def _name(path: Path) -> str:
 
 
 def _sweep_dir(path: str | Path) -> Path:
-    root = Path(path)
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-    except (FileExistsError, NotADirectoryError):
-        raise UserError(f"--sweep-dir {brief(str(root))}: it or a parent is a file, not a directory") from None
-    except OSError as err:
-        raise UserError(f"--sweep-dir {brief(str(root))}: cannot be created ({err.strerror or err})") from None
-    return root
+    return ensure_dir(path, "--sweep-dir")
 
 
 def _trial(trial_cfg: Any, factor: float, where: Path) -> dict[str, Any]:

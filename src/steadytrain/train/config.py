@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from steadytrain._io import brief, load_yaml, parse_yaml
 from steadytrain.errors import UserError
 
-__all__ = ["TrainConfig", "apply_overrides", "load_config"]
+__all__ = ["TrainConfig", "apply_overrides", "error_line", "load_config"]
 
 
 class _Section(BaseModel):
@@ -173,7 +173,7 @@ class TrainConfig(_Section):
         return self.model_dump(mode="json", by_alias=True)
 
 
-def _error_line(err: ValidationError, source: str) -> str:
+def error_line(err: ValidationError, source: str) -> str:
     """One line for pydantic's first error: the key path, the value and what to do."""
     e = err.errors(include_url=False)[0]
     key = ".".join(str(p) for p in e["loc"]) or "(top level)"
@@ -230,4 +230,4 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Tr
     try:
         return TrainConfig.model_validate(data)
     except ValidationError as err:
-        raise UserError(_error_line(err, source)) from None
+        raise UserError(error_line(err, source)) from None

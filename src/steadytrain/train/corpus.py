@@ -19,7 +19,7 @@ import numpy as np
 import pyarrow as pa
 from filelock import FileLock
 
-from steadytrain._io import brief
+from steadytrain._io import brief, ensure_dir
 from steadytrain.data import DatasetWriter
 from steadytrain.errors import UserError
 
@@ -83,15 +83,7 @@ def _write(path: Path, seq_len: int, max_bytes: int) -> None:
 def default_corpus(seq_len: int = 128, *, max_bytes: int = MAX_BYTES) -> Path:
     """The embedded corpus for ``seq_len``, written on first use; safe to call from every rank at once."""
     python = "".join(map(str, sys.version_info[:2]))
-    root = cache_dir()
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-    except OSError as err:  # a file where the directory goes, no permission, a name too long
-        why = "it is a file, not a directory" if root.is_file() else (err.strerror or str(err))
-        raise UserError(
-            f"cache directory {brief(str(root))} (STEADYTRAIN_CACHE, else XDG_CACHE_HOME/steadytrain) cannot be "
-            f"used: {why}; point STEADYTRAIN_CACHE at a writable directory"
-        ) from None
+    root = ensure_dir(cache_dir(), "cache directory (STEADYTRAIN_CACHE, else XDG_CACHE_HOME/steadytrain)")
     final = root / f"corpus-stdlib-py{python}-seq{seq_len}-{max_bytes}-v{CORPUS_VERSION}"
     if (final / "index.json").exists():
         return final

@@ -19,7 +19,7 @@ from typing import Any
 import yaml
 from filelock import FileLock, Timeout
 
-from steadytrain._io import brief, read_text, utc_now, write_text_atomic
+from steadytrain._io import brief, ensure_dir, read_text, utc_now, write_text_atomic
 from steadytrain.errors import UserError
 
 __all__ = ["RunDir", "claim_run_dir", "exists_error", "lock_run", "open_run_dir"]
@@ -60,12 +60,7 @@ def exists_error(path: Path) -> UserError:
 def claim_run_dir(path: Path) -> RunDir:
     """Create a new run directory; an existing one is never overwritten (one ``mkdir`` decides, also
     between two processes started at once)."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except (FileExistsError, NotADirectoryError):
-        raise UserError(f"run directory {brief(str(path))}: a parent is a file, not a directory") from None
-    except OSError as err:
-        raise UserError(f"run directory {brief(str(path))}: cannot be created ({err.strerror or err})") from None
+    ensure_dir(path.parent, f"run directory {brief(str(path))}: its parent")
     try:
         path.mkdir()
     except FileExistsError:

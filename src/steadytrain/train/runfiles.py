@@ -60,8 +60,8 @@ def prepare(
             else:
                 run = claim_run_dir(path)
                 lock = lock_run(run)
-                run.write_config(cfg.to_dict())
-                run.write_json(run.plan, {**plan.to_dict(), "data": str(data)})
+                run.write_config(resolved_config(cfg))
+                run.write_json(run.plan, {**plan.to_dict(), "data": str(Path(data).resolve())})
                 run.write_json(run.data, describe_data(data))
         except UserError as err:
             error = str(err)
@@ -69,6 +69,19 @@ def prepare(
                 lock.release()
     agree(info, error)
     return RunDir(path), lock, changes
+
+
+_PATHS = (("data", "path"), ("data", "schema"), ("env", "contract"))
+"""Config keys that name files: stored absolute, so the run resumes and compares from any directory."""
+
+
+def resolved_config(cfg: TrainConfig) -> dict[str, Any]:
+    """``cfg`` as plain data with the paths it names made absolute (what ``config.yaml`` holds)."""
+    out = cfg.to_dict()
+    for section, key in _PATHS:
+        if out[section].get(key):
+            out[section][key] = str(Path(out[section][key]).resolve())
+    return out
 
 
 def _resume_changes(cfg: TrainConfig, plan: RunPlan, run: RunDir) -> dict[str, list[Any]]:
@@ -83,7 +96,7 @@ def _resume_changes(cfg: TrainConfig, plan: RunPlan, run: RunDir) -> dict[str, l
     saved_plan = load_json(run.plan, what="batch plan") if run.plan.exists() else {}
     if not isinstance(saved, dict) or not isinstance(saved_plan, dict):
         raise UserError(f"{run.path}: config.yaml or plan.json is not a mapping: the run directory is damaged")
-    changes = config_changes(saved, cfg.to_dict())
+    changes = config_changes(saved, resolved_config(cfg))
     refuse_changes(changes, saved_plan, plan.to_dict(), found[-1][0], str(run.path))
     return changes
 
@@ -96,7 +109,7 @@ def describe_data(path: Path, max_odd: int = 100) -> dict[str, Any]:
     ds = open_dataset(path)
     odd = provenance_outliers(ds)
     return {
-        "path": str(path),
+        "path": str(Path(path).resolve()),
         "fingerprint": ds.fingerprint(),
         "shards": len(ds.shards),
         "records": ds.num_records,
@@ -159,7 +172,7 @@ def record_resume(job: Job, checkpoint: str) -> None:
     saved = load_json(job.run.plan, what="batch plan") if job.run.plan.exists() else {}
     plan = {**job.plan.to_dict(), "data": saved.get("data") if isinstance(saved, dict) else None}
     if job.changes:
-        job.run.write_config(job.cfg.to_dict())
+        job.run.write_config(resolved_config(job.cfg))
         for key, (old, new) in job.changes.items():
             log.warning("resume: %s changed from %r to %r (applied from step %d)", key, old, new, job.step + 1)
     if saved != plan:
