@@ -230,7 +230,12 @@ def test_resume_applies_a_new_lr_and_max_steps_from_the_resume_step_and_records_
     (record,) = [json.loads(x) for x in (run / "resumes.jsonl").read_text().splitlines()]
     assert record["step"] == 4 and record["changes"]["batch.base_lr"] == [0.01, 0.5]
     assert "base_lr: 0.5" in (run / "config.yaml").read_text()
-    assert "8 of 8 planned" in (run / "summary.md").read_text()
+    summary = (run / "summary.md").read_text()
+    assert "8 of 8 planned" in summary
+    assert "resumed after step 4 on 1 rank(s): batch.base\\_lr 0.01 → 0.5" in summary
+    with open(run / "resumes.jsonl", "a") as f:
+        f.write('{"step": "four", "world_size": 1, "changes": {}}\n')
+    assert_user_error(run_cli("report", str(run)), "resumes.jsonl: line 2", "step='four'")
 
 
 @pytest.mark.parametrize(

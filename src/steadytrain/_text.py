@@ -62,7 +62,7 @@ def error_text(err: BaseException, limit: int = 400) -> str:
 
 
 _SPECIAL = set("\\`*_{}[]#!|~")
-_LINE_START = re.compile(r"^(\s*\d*)([-+=.)])")  # a list item or setext underline when first on a line
+_LINE_START = re.compile(r"^(\s*\d{0,9})([-+=.)])(?=\s|$)")  # "- x", "1. x", "2) x": a list item when first
 _ENTITIES = {"&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;"}
 
 
@@ -72,8 +72,8 @@ def md(value: object) -> str:
     Example:
         >>> md("ok\n## INJECTED <img src=x onerror=alert(1)>")
         'ok\\\\n\\#\\# INJECTED &lt;img src=x onerror=alert(1)&gt;'
-        >>> md("runs/lr-0.5"), md("1. x")
-        ('runs/lr-0.5', '1\\. x')
+        >>> md("runs/lr-0.5"), md("1. x"), md("0.003"), md("- x")
+        ('runs/lr-0.5', '1\\. x', '0.003', '\\- x')
     """
     text = "".join(_ENTITIES.get(c) or (f"\\{c}" if c in _SPECIAL else c) for c in one_line(value))
     return _LINE_START.sub(lambda m: m.group(1) + "\\" + m.group(2), text, count=1)

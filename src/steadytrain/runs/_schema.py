@@ -27,6 +27,7 @@ __all__ = [
     "check_metrics_row",
     "check_nonfinite_report",
     "check_plan",
+    "check_resume",
 ]
 
 MAX_DEPTH = 32
@@ -220,3 +221,21 @@ def check_nonfinite_report(value: Any, where: str) -> str | None:
             "delete it and run `steadytrain nan report RUN` to see the verdict"
         )
     return value.get("sentence")
+
+
+RESUME_FIX = "the resume record is damaged (edited by hand?): correct or remove that line"
+
+
+def check_resume(row: Any, where: str) -> dict[str, Any]:
+    """One line of ``resumes.jsonl``: ``step`` (>= 1), ``world_size`` (>= 1), ``changes`` ``{key: [old, new]}``."""
+    try:
+        check_depth(row, where)
+        check_mapping("line", row)
+        check_int("step", row.get("step"), 1, maximum=MAX_COUNT)
+        check_int("world_size", row.get("world_size"), 1, maximum=MAX_COUNT)
+        for key, pair in check_mapping("changes", row.get("changes", {})).items():
+            if not isinstance(pair, list) or len(pair) != 2:
+                raise UserError(f"changes.{brief(key)}={brief(pair)} must be [old, new]")
+    except UserError as err:
+        raise UserError(f"{where}: {err}; {RESUME_FIX}") from None
+    return row

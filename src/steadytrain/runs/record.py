@@ -16,7 +16,14 @@ from steadytrain._io import load_json, load_yaml, one_line, read_jsonl
 from steadytrain._mapping import flatten
 from steadytrain.env import EnvManifest
 from steadytrain.errors import UserError
-from steadytrain.runs._schema import check_config, check_data, check_depth, check_metrics_row, check_plan
+from steadytrain.runs._schema import (
+    check_config,
+    check_data,
+    check_depth,
+    check_metrics_row,
+    check_plan,
+    check_resume,
+)
 from steadytrain.train.rundir import RunDir, open_run_dir
 
 __all__ = ["RunRecord", "flatten", "load_run", "shown", "smooth"]
@@ -34,6 +41,8 @@ class RunRecord:
     data: dict[str, Any] | None
     """``data.json`` (fingerprint and provenance of the data the run saw); ``None`` for older runs."""
     metrics: list[dict[str, Any]] = field(default_factory=list)
+    resumes: list[dict[str, Any]] = field(default_factory=list)
+    """``resumes.jsonl``: each resume's ``step``, ``world_size`` and ``changes`` (``{key: [old, new]}``)."""
 
     @property
     def name(self) -> str:
@@ -55,6 +64,11 @@ def _metrics(path: Path) -> list[dict[str, Any]]:
     for n, row in read_jsonl(path, what="metrics log"):
         rows.append(check_metrics_row(row, f"{path}: line {n}", rows[-1]["step"] if rows else 0))
     return rows
+
+
+def _resumes(path: Path) -> list[dict[str, Any]]:
+    """Every line of ``resumes.jsonl`` (a torn last line skipped), each checked."""
+    return [check_resume(row, f"{path}: line {n}") for n, row in read_jsonl(path, what="resume record")]
 
 
 def _object(path: Path, what: str) -> dict[str, Any] | None:
@@ -96,6 +110,7 @@ def load_run(path: str | Path) -> RunRecord:
         env=_env(run.env),
         data=check_data(data, str(run.data)) if data is not None else None,
         metrics=_metrics(run.metrics),
+        resumes=_resumes(run.resumes),
     )
 
 

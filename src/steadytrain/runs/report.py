@@ -19,7 +19,7 @@ from steadytrain._text import error_text, md
 from steadytrain.errors import UserError
 from steadytrain.runs import plots
 from steadytrain.runs._schema import check_nonfinite_report
-from steadytrain.runs.record import RunRecord, load_run, smooth
+from steadytrain.runs.record import RunRecord, load_run, shown, smooth
 
 __all__ = ["PLOTS", "Report", "environment_paragraph", "plan_sentence", "report", "report_after_training"]
 
@@ -170,6 +170,7 @@ def summary_markdown(rec: RunRecord, rep: Report, stopped: str | None) -> str:
     ]
     lines = [f"# Run {md(rec.name)}", "", f"- {md(plan_sentence(rec.plan))}", *_schedule_lines(rec)]
     lines += [f"- {x}" for x in (_stopped_line(rec, stopped, s["steps"]), _nonfinite_line(rec)) if x]
+    lines += [f"- {x}" for x in _resume_lines(rec)]
     lines += ["", "| | |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows), ""]
     lines += [f"**Environment.** {md(environment_paragraph(rec.env))}", ""]
     for name, path in rep.plots.items():
@@ -177,6 +178,18 @@ def summary_markdown(rec: RunRecord, rep: Report, stopped: str | None) -> str:
     for name, why in rep.failed.items():
         lines += [f"- the {name} plot could not be drawn: {md(why)}"]
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _resume_lines(rec: RunRecord) -> list[str]:
+    """One line per resume: the step, the world size and what it changed (``resumes.jsonl``)."""
+    def value(v: Any) -> str:
+        return md(_value(v) if isinstance(v, int | float) and not isinstance(v, bool) else shown(v))
+
+    out = []
+    for r in rec.resumes:
+        changed = "; ".join(f"{md(k)} {value(a)} → {value(b)}" for k, (a, b) in r.get("changes", {}).items())
+        out.append(f"resumed after step {r['step']} on {r['world_size']} rank(s)" + (f": {changed}" if changed else ""))
+    return out
 
 
 def _schedule_lines(rec: RunRecord) -> list[str]:
