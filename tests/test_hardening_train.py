@@ -95,7 +95,8 @@ def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120) -> int:
 
 
 def _rows(run_dir: Path) -> list[dict]:
-    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    return [r for r in rows if "val_loss" not in r]  # the training rows
 
 
 def _straight(tmp_path: Path, model_dir: Path, data: Path, steps: int, *items: str) -> list[dict]:

@@ -38,7 +38,15 @@ def run_cli(*args: str, timeout: int = 300, **extra_env: str) -> subprocess.Comp
 
 
 def metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    """The training rows of ``metrics.jsonl`` (one per optimizer step)."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if "val_loss" not in r]
+
+
+def evals(run_dir: Path) -> list[dict]:
+    """The evaluation rows of ``metrics.jsonl`` (``step``, ``val_loss``, ``val_items``)."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if "val_loss" in r]
 
 
 def write_text_dataset(path: Path, sizes: list[int]) -> Path:

@@ -103,7 +103,7 @@ def train(
             click.echo(f"stopped: {err}", err=True)
         raise click.exceptions.Exit(err.exit_code) from None
     if main:
-        report_after_training(done["run_dir"])
+        report_after_training(done["run_dir"], done.get("stopped"))
 
 
 @click.group("config")

@@ -9,6 +9,7 @@ from steadytrain.data.checks import (
     infer_schema,
     validate,
 )
+from steadytrain.data.evalset import EvalSet, holdout_shards
 from steadytrain.data.format import (
     INDEX,
     CorruptShardError,
@@ -35,6 +36,7 @@ __all__ = [
     "Dataset",
     "DatasetError",
     "DatasetWriter",
+    "EvalSet",
     "FieldSpec",
     "FieldViolation",
     "PolicyCounts",
@@ -50,6 +52,7 @@ __all__ = [
     "collate_examples",
     "global_batch",
     "healthy_shards",
+    "holdout_shards",
     "infer_schema",
     "majority_provenance",
     "open_dataset",

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -130,7 +130,12 @@ class BatchedMode:
         """``(micro-batch number, columns)`` of this rank's remaining micro-batches in the epoch."""
         worker = get_worker_info()
         wid, nworkers = (worker.id, worker.num_workers) if worker is not None else (0, 1)
-        mine = self._my_micro_batches(wid, nworkers)
+        return self.iter_positions(self._my_micro_batches(wid, nworkers))
+
+    def iter_positions(self, ranges: Iterable[tuple[int, int, int]]) -> Iterator[tuple[int, dict[str, Any]]]:
+        """``(key, columns)`` of each ``(key, start, stop)`` range of the epoch's global order, in the order
+        given; ranges must increase and not overlap. Each window is read and converted once."""
+        mine = iter(ranges)
         nxt = next(mine, None)
         pending: list[dict[str, Any]] = []
         ws = 0

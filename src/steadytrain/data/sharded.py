@@ -14,7 +14,7 @@ import logging
 import operator
 import warnings
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -213,6 +213,18 @@ class ShardedDataset(IterableDataset):
     def dropped_per_epoch(self) -> int:
         """Examples per epoch past the last full global batch, not used (batched mode)."""
         return self._batched("dropped_per_epoch").dropped_per_epoch
+
+    @property
+    def num_examples(self) -> int:
+        """Examples in an epoch's global order, after the load-time policy (batched mode)."""
+        mode = self._batched("num_examples")
+        return mode.steps_per_epoch * mode.layout.global_batch_size + mode.dropped_per_epoch
+
+    def iter_positions(self, ranges: Iterable[tuple[int, int, int]]) -> Iterator[tuple[int, dict[str, Any]]]:
+        """Batched mode: ``(key, columns)`` for each ``(key, start, stop)`` range of the epoch's global order
+        (increasing, not overlapping), whatever this rank's own micro-batches are (evaluation reads its
+        own disjoint slices this way)."""
+        return self._batched("iter_positions").iter_positions(ranges)
 
     def rank_shards(self, epoch: int | None = None) -> list[int]:
         """The shards this rank reads in ``epoch`` (default: the current one), in order."""

@@ -28,6 +28,7 @@ __all__ = [
     "check_nonfinite_report",
     "check_plan",
     "check_resume",
+    "is_eval_row",
 ]
 
 MAX_DEPTH = 32
@@ -51,6 +52,12 @@ def _fraction(name: str, value: Any) -> float:
     return value
 
 
+def _list(name: str, value: Any) -> list:
+    if not isinstance(value, list):
+        raise UserError(f"{name}={brief(value)} must be a list ({type(value).__name__} given)")
+    return value
+
+
 def _decay(name: str, value: Any) -> str:
     if check_text(name, value) not in DECAYS:
         raise UserError(f"{name}={brief(value)} is not a decay: one of {', '.join(DECAYS)}")
@@ -71,6 +78,7 @@ KINDS: dict[str, Check] = {
     "path": _path,
     "mapping": check_mapping,
     "decay": _decay,
+    "shard list": lambda n, v: [check_int(f"{n}[{i}]", s, 0, maximum=MAX_COUNT) for i, s in enumerate(_list(n, v))],
 }
 
 # key -> (kind, null allowed); an absent key is always allowed (older runs, optional files)
@@ -83,6 +91,11 @@ METRICS: dict[str, tuple[str, bool]] = {
     "items": ("count", True),
     "items_per_s": ("nonnegative", True),
     "elapsed_s": ("nonnegative", True),
+}
+EVAL: dict[str, tuple[str, bool]] = {
+    "val_loss": ("number", True),
+    "val_items": ("count", False),
+    "val_nonfinite": ("count", True),
 }
 PLAN: dict[str, tuple[str, bool]] = {
     "micro_batch_size": ("positive", False),
@@ -98,6 +111,7 @@ PLAN: dict[str, tuple[str, bool]] = {
     "warmup_steps": ("count", True),
     "dropped_per_epoch": ("count", True),
     "data": ("path", True),
+    "eval_shards": ("shard list", True),
 }
 CONFIG: dict[str, tuple[str, bool]] = {
     "precision": ("text", False),
@@ -152,8 +166,14 @@ def check_depth(value: Any, where: str, limit: int = MAX_DEPTH) -> None:
             stack.extend((v, depth + 1) for v in node)
 
 
+def is_eval_row(row: dict[str, Any]) -> bool:
+    """An evaluation's row (``step``, ``val_loss``, ``val_items``), not a training step's."""
+    return "val_loss" in row
+
+
 def check_metrics_row(row: Any, where: str, after: int) -> dict[str, Any]:
-    """One ``metrics.jsonl`` row: an integer ``step`` above ``after`` (the previous row's), typed metrics."""
+    """One ``metrics.jsonl`` row: an integer ``step`` above ``after`` (the previous row of its kind: training
+    step or evaluation), typed metrics."""
     if not isinstance(row, dict):
         raise UserError(f"{where}: {brief(row)} is not a metrics row (a JSON object); {METRICS_FIX}")
     step = row.get("step")
@@ -162,7 +182,7 @@ def check_metrics_row(row: Any, where: str, after: int) -> dict[str, Any]:
         raise UserError(f"{where}: step={got} must be an integer optimizer step >= 1; {METRICS_FIX}")
     if step <= after:
         raise UserError(f"{where}: step {step} follows step {after}: steps must increase; {METRICS_FIX}")
-    _fields(row, METRICS, where, METRICS_FIX)
+    _fields(row, EVAL if is_eval_row(row) else METRICS, where, METRICS_FIX)
     return row
 
 

@@ -19,7 +19,16 @@ from steadytrain.env import SCOPES, diff
 from steadytrain.env.compare import IDENTITY
 from steadytrain.runs.record import RunRecord, flatten, load_run, shown
 
-__all__ = ["Comparison", "compare", "config_diff", "data_diff", "data_record", "env_diff", "loss_divergence"]
+__all__ = [
+    "Comparison",
+    "compare",
+    "config_diff",
+    "data_diff",
+    "data_record",
+    "env_diff",
+    "loss_divergence",
+    "validation_losses",
+]
 
 CONFIG_IDENTITY = frozenset({"run.name", "run.dir"})
 """Config keys that name a run rather than change it: not compared."""
@@ -37,6 +46,8 @@ class Comparison:
     max_rel_diff: float | None
     steps: list[int]
     plot: str | None = None
+    validation: dict[str, list[float | None]] | None = None
+    """``{step: [A's val_loss, B's]}`` at the evaluation steps both runs have (None when either has none)."""
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -128,6 +139,24 @@ def _metrics_phrase(first: int | None, rel: float | None, common: list[int], a: 
     return f"losses identical until step {first}, then differ {size}{lengths}"
 
 
+def validation_losses(a: RunRecord, b: RunRecord) -> dict[str, list[float | None]] | None:
+    """Both runs' validation losses at their common evaluation steps (keys are steps as strings, for JSON)."""
+    if not a.evals or not b.evals:
+        return None
+    va, vb = ({r["step"]: r.get("val_loss") for r in rec.evals} for rec in (a, b))
+    return {str(s): [va[s], vb[s]] for s in sorted(va.keys() & vb.keys())}
+
+
+def _validation_phrase(val: dict[str, list[float | None]] | None) -> str:
+    if val is None:
+        return ""
+    if not val:
+        return "no common evaluation steps"
+    step, (x, y) = max(val.items(), key=lambda kv: int(kv[0]))
+    fmt = lambda v: "not finite" if v is None else f"{v:.6g}"  # noqa: E731
+    return f"validation loss at step {step} (last common of {len(val)}): A {fmt(x)} vs B {fmt(y)}"
+
+
 def sentence(config: dict, data: dict, env: dict, metrics: str, env_missing: str = "A or B") -> str:
     """The one-line verdict: what is the same, what differs (with values), then the losses."""
     same, differs = [], []
@@ -170,8 +199,10 @@ def compare(run_a: str | Path, run_b: str | Path, *, plot: str | Path | None = N
     env = env_diff(a.env, b.env)
     first, rel, common = loss_divergence(a, b)
     missing = " and ".join(n for n, r in (("A", a), ("B", b)) if r.env is None)
-    text = sentence(config, data, env, _metrics_phrase(first, rel, common, a, b), missing)
-    out = Comparison(text, config, data, env, first, rel, [len(a.steps), len(b.steps)])
+    val = validation_losses(a, b)
+    metrics = "; ".join(p for p in (_metrics_phrase(first, rel, common, a, b), _validation_phrase(val)) if p)
+    text = sentence(config, data, env, metrics, missing)
+    out = Comparison(text, config, data, env, first, rel, [len(a.steps), len(b.steps)], validation=val)
     if plot is not None:
         from steadytrain.runs.plots import compare_plot
 

@@ -101,8 +101,15 @@ def _mark_steps(ax: Any, steps: list[int], label: str, color: str, marker: str) 
                    s=36, zorder=3, label=label, clip_on=False)  # fmt: skip
 
 
+def best_eval(rec: RunRecord) -> dict | None:
+    """The evaluation row with the lowest finite validation loss (the first of equals), or None."""
+    finite = [r for r in rec.evals if r.get("val_loss") is not None]
+    return min(finite, key=lambda r: r["val_loss"]) if finite else None
+
+
 def loss_plot(rec: RunRecord, path: Path) -> Path:
-    """Raw and smoothed training loss; skipped (non-finite) steps marked."""
+    """Raw and smoothed training loss; skipped (non-finite) steps marked; the validation loss beside it,
+    its best step marked."""
     fig = _figure()
     ax = fig.add_subplot()
     steps, loss = rec.steps, rec.column("loss")
@@ -110,7 +117,17 @@ def loss_plot(rec: RunRecord, path: Path) -> Path:
     ax.plot(*_points(steps, smooth(loss)), color="tab:blue", linewidth=2, label="loss (smoothed)")
     skipped = [r["step"] for r in rec.metrics if r.get("skipped")]
     _mark_steps(ax, skipped, f"skipped non-finite step ({len(skipped)})", "tab:red", "x")
-    ax.set(xlabel=STEP, ylabel="training loss (mean per example)", title=f"{_label(rec.name)}: training loss")
+    if rec.evals:
+        val = [r.get("val_loss") for r in rec.evals]
+        ax.plot(*_points([r["step"] for r in rec.evals], val), color="tab:orange", marker="o", markersize=3,
+                linewidth=2, label="validation loss")  # fmt: skip
+        if (best := best_eval(rec)) is not None:
+            ax.axvline(best["step"], color="tab:orange", linestyle=":", linewidth=1)
+            label = f"best validation {best['val_loss']:.4g} (step {best['step']})"
+            ax.plot([best["step"]], [best["val_loss"]], marker="*", markersize=12, color="tab:orange",
+                    linestyle="none", label=label)  # fmt: skip
+    title = "training and validation loss" if rec.evals else "training loss"
+    ax.set(xlabel=STEP, ylabel="loss (mean per example)", title=f"{_label(rec.name)}: {title}")
     ax.grid(alpha=0.3)
     ax.legend(loc="upper right")
     return _save(fig, path)

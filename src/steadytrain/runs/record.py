@@ -23,6 +23,7 @@ from steadytrain.runs._schema import (
     check_metrics_row,
     check_plan,
     check_resume,
+    is_eval_row,
 )
 from steadytrain.train.rundir import RunDir, open_run_dir
 
@@ -41,6 +42,9 @@ class RunRecord:
     data: dict[str, Any] | None
     """``data.json`` (fingerprint and provenance of the data the run saw); ``None`` for older runs."""
     metrics: list[dict[str, Any]] = field(default_factory=list)
+    """The training rows of ``metrics.jsonl``, one per optimizer step."""
+    evals: list[dict[str, Any]] = field(default_factory=list)
+    """The evaluation rows: ``step``, ``val_loss`` (None when not finite), ``val_items``."""
     resumes: list[dict[str, Any]] = field(default_factory=list)
     """``resumes.jsonl``: each resume's ``step``, ``world_size`` and ``changes`` (``{key: [old, new]}``)."""
 
@@ -58,11 +62,13 @@ class RunRecord:
         return [int(row["step"]) for row in self.metrics]
 
 
-def _metrics(path: Path) -> list[dict[str, Any]]:
-    """Every row of ``metrics.jsonl`` (a torn last line skipped), each checked; steps increase."""
-    rows: list[dict[str, Any]] = []
+def _metrics(path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The training rows and the evaluation rows of ``metrics.jsonl`` (a torn last line skipped), each
+    checked; the steps of each kind increase."""
+    rows: tuple[list[dict[str, Any]], list[dict[str, Any]]] = ([], [])
     for n, row in read_jsonl(path, what="metrics log"):
-        rows.append(check_metrics_row(row, f"{path}: line {n}", rows[-1]["step"] if rows else 0))
+        kind = rows[1] if isinstance(row, dict) and is_eval_row(row) else rows[0]
+        kind.append(check_metrics_row(row, f"{path}: line {n}", kind[-1]["step"] if kind else 0))
     return rows
 
 
@@ -103,13 +109,15 @@ def load_run(path: str | Path) -> RunRecord:
     if not isinstance(config, dict):
         raise UserError(f"{run.config}: a run config is a mapping of sections, not {type(config).__name__}")
     plan, data = _object(run.plan, "batch plan"), _object(run.data, "data record")
+    metrics, evals = _metrics(run.metrics)
     return RunRecord(
         run=run,
         config=check_config(config, str(run.config)),
         plan=check_plan(plan, str(run.plan)) if plan is not None else {},
         env=_env(run.env),
         data=check_data(data, str(run.data)) if data is not None else None,
-        metrics=_metrics(run.metrics),
+        metrics=metrics,
+        evals=evals,
         resumes=_resumes(run.resumes),
     )
 

@@ -165,6 +165,7 @@ def summary_markdown(rec: RunRecord, rep: Report, stopped: str | None) -> str:
         ("skipped (non-finite) steps", str(s["skipped"])),
         ("clipped steps", f"{s['clipped']}" + (f" (global norm above {threshold:g})" if threshold else "")),
         ("final loss", f"{_fmt(s['final'])} (smoothed {_fmt(s['smoothed'])})"),
+        *_validation_rows(rec),
         ("throughput", f"median {_fmt(s['rate'], '.4g')} examples/s" if s["rate"] else "n/a"),
         ("wall time", f"{s['elapsed']:.1f} s" if s["elapsed"] is not None else "n/a"),
     ]
@@ -180,8 +181,23 @@ def summary_markdown(rec: RunRecord, rep: Report, stopped: str | None) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
+def _validation_rows(rec: RunRecord) -> list[tuple[str, str]]:
+    """The summary's validation rows: the best loss and its step, the last one (none without evaluations)."""
+    if not rec.evals:
+        return []
+    best, last = plots.best_eval(rec), rec.evals[-1]
+    return [
+        ("best validation loss", f"{_fmt(best['val_loss'])} at step {best['step']}" if best else "n/a (not finite)"),
+        (
+            "final validation loss",
+            f"{_fmt(last.get('val_loss'))} at step {last['step']} ({last['val_items']} examples)",
+        ),
+    ]
+
+
 def _resume_lines(rec: RunRecord) -> list[str]:
     """One line per resume: the step, the world size and what it changed (``resumes.jsonl``)."""
+
     def value(v: Any) -> str:
         return md(_value(v) if isinstance(v, int | float) and not isinstance(v, bool) else shown(v))
 

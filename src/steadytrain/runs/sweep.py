@@ -193,6 +193,7 @@ def _trial(trial_cfg: Any, factor: float, where: Path) -> dict[str, Any]:
         "lr": rec.plan.get("lr"),
         "final_loss": final,
         "smoothed_loss": smoothed,
+        "val_loss": rec.evals[-1].get("val_loss") if rec.evals else None,
         "steps": len(rec.metrics),
         "skipped": sum(bool(r.get("skipped")) for r in rec.metrics),
         "diverged": diverged,
@@ -201,21 +202,30 @@ def _trial(trial_cfg: Any, factor: float, where: Path) -> dict[str, Any]:
     }
 
 
+def judged_by(trials: list[dict[str, Any]]) -> tuple[str, str]:
+    """What ranks the trials: the final validation loss when every one of them has a finite one (training
+    loss rewards overfitting), else the smoothed final training loss. ``(key, words)``."""
+    if trials and all(t.get("val_loss") is not None for t in trials):
+        return "val_loss", "final validation loss"
+    return "smoothed_loss", "smoothed final loss"
+
+
 def verdict(trials: list[dict[str, Any]], scale_up: float | None) -> tuple[float | None, bool | None, str]:
-    """The best factor (lowest smoothed final loss among trials that did not diverge), whether the
-    linear estimate (factor 1) held up, and one sentence saying so."""
+    """The best factor (lowest final validation loss, or smoothed final training loss without one, among
+    trials that did not diverge), whether the linear estimate (factor 1) held up, and one sentence saying so."""
     ok = [t for t in trials if not t["diverged"]]
     if not ok:
         return None, False, "every trial diverged: the linear estimate is far too high here; sweep lower factors"
-    best = min(ok, key=lambda t: t["smoothed_loss"])
-    head = f"best factor {best['factor']:g} (LR {best['lr']:.3g}, smoothed final loss {best['smoothed_loss']:.4g})"
+    key, words = judged_by(ok)
+    best = min(ok, key=lambda t: t[key])
+    head = f"best factor {best['factor']:g} (LR {best['lr']:.3g}, {words} {best[key]:.4g})"
     k = f" at a scale-up of ×{scale_up:g} from the base batch" if scale_up else ""
     one = next((t for t in trials if t["factor"] == 1), None)
     if one is None:
         return best["factor"], None, f"{head}; factor 1 (the linear estimate) was not tried: add it to --factors"
     if one["diverged"]:
         return best["factor"], False, f"{head}; the linear estimate diverged{k}: it did not hold up, use a lower LR"
-    gap = (one["smoothed_loss"] - best["smoothed_loss"]) / abs(best["smoothed_loss"])
+    gap = (one[key] - best[key]) / abs(best[key])
     if best is one or gap <= HELD_UP_WITHIN:
         within = "" if best is one else f" (within {gap:.1%} of the best)"
         return best["factor"], True, f"{head}; the linear-scaling estimate held up{k}{within}"
@@ -225,7 +235,7 @@ def verdict(trials: list[dict[str, Any]], scale_up: float | None) -> tuple[float
         else "short trials: confirm with longer ones"
     )
     text = f"{head}; the linear-scaling estimate did not hold up{k}: factor {best['factor']:g} beat it by {gap:.1%}"
-    return best["factor"], False, f"{text} in smoothed loss ({why})"
+    return best["factor"], False, f"{text} in {words} ({why})"
 
 
 def _table(result: Sweep) -> str:
@@ -236,13 +246,14 @@ def _table(result: Sweep) -> str:
         f"Linear-scaling estimate: LR {result.estimate:.4g}"
         + (f" (scale-up ×{result.scale_up:g})" if result.scale_up else " (unscaled base LR)"),
         "",
-        "| factor | LR | final loss | smoothed loss | diverged? | run |",
-        "|---|---|---|---|---|---|",
+        "| factor | LR | final loss | smoothed loss | validation loss | diverged? | run |",
+        "|---|---|---|---|---|---|---|",
     ]
     for t in result.trials:
         fmt = lambda x: "n/a" if x is None else f"{x:.4g}"  # noqa: E731
         lines.append(
             f"| {t['factor']:g} | {fmt(t['lr'])} | {fmt(t['final_loss'])} | {fmt(t['smoothed_loss'])} | "
+            f"{fmt(t.get('val_loss'))} | "
             f"{'yes' if t['diverged'] else 'no'} | {md(Path(t['run_dir']).name)} |"
         )
     lines += ["", md(result.sentence), "", "![loss against LR](loss_vs_lr.png)"]

@@ -24,7 +24,14 @@ from steadytrain._io import write_atomic
 from steadytrain._text import error_text
 from steadytrain.errors import UserError
 
-__all__ = ["apply_checkpoint", "latest_checkpoint", "list_checkpoints", "load_checkpoint", "save_checkpoint"]
+__all__ = [
+    "apply_checkpoint",
+    "apply_model_state",
+    "latest_checkpoint",
+    "list_checkpoints",
+    "load_checkpoint",
+    "save_checkpoint",
+]
 
 _NAME = re.compile(r"^step-(\d{8})\.pt$")
 _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -53,16 +60,19 @@ def save_checkpoint(
     extra: dict[str, Any],
     is_main: bool,
     keep_last: int,
+    keep: frozenset[int] = frozenset(),
 ) -> Path:
-    """Write the checkpoint of ``step`` (a collective under FSDP2: every rank calls it)."""
+    """Write the checkpoint of ``step`` (a collective under FSDP2: every rank calls it); keep the last
+    ``keep_last`` and those of the steps in ``keep`` (the best validation loss), remove the rest."""
     model_sd, optim_sd = get_state_dict(model, optimizer, options=_FULL)
     path = ckpt_dir / f"step-{step:08d}.pt"
     if is_main:
         payload = {"step": step, "model": model_sd, "optimizer": optim_sd, **extra}
         ckpt_dir.mkdir(parents=True, exist_ok=True)
         write_atomic(path, lambda f: torch.save(payload, f))
-        for _, old in list_checkpoints(ckpt_dir)[:-keep_last]:
-            old.unlink(missing_ok=True)
+        for old_step, old in list_checkpoints(ckpt_dir)[:-keep_last]:
+            if old_step not in keep:
+                old.unlink(missing_ok=True)
     return path
 
 
@@ -90,6 +100,16 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     if not isinstance(state, dict) or not {"step", "model", "optimizer"} <= set(state):
         raise UserError(f"{path}: not a steadytrain checkpoint (no step/model/optimizer)")
     return state
+
+
+def apply_model_state(state: dict[str, Any], model: nn.Module) -> None:
+    """Load a checkpoint's model weights alone into a (possibly DDP- or FSDP2-wrapped) model."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+    try:
+        set_model_state_dict(model, state["model"], options=StateDictOptions(full_state_dict=True))
+    except (RuntimeError, KeyError, ValueError, TypeError, AssertionError) as err:
+        raise UserError(f"checkpoint does not fit this model: {error_text(err)}") from None
 
 
 def apply_checkpoint(state: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer) -> None:

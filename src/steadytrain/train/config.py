@@ -19,6 +19,11 @@ from steadytrain.errors import UserError
 __all__ = ["TrainConfig", "apply_overrides", "error_line", "load_config"]
 
 
+DEFAULT_EVAL = {"holdout_shards": 2, "every_steps": 25, "max_batches": 32}
+"""The embedded default run's validation: 2 shards of its corpus held out, evaluated every 25 steps on
+their first 32 micro-batches (512 sequences: a fraction of a second)."""
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
 
@@ -127,6 +132,33 @@ class CheckpointConfig(_Section):
     """Optimizer steps between checkpoints (one is also written at the end)."""
     keep_last: int = Field(default=2, ge=1)
     """Checkpoints kept; older ones are removed."""
+    keep_best: bool = False
+    """Also keep the checkpoint of the best validation loss (one is written at that step)."""
+
+
+class EvalConfig(_Section):
+    data: str | None = None
+    """A validation dataset directory (same format as ``data.path``); or ``holdout_shards``."""
+    holdout_shards: int | None = Field(default=None, ge=1)
+    """Shards of the training dataset held out for validation (chosen from ``run.seed``, never trained on)."""
+    every_steps: int | None = Field(default=None, ge=1)
+    """Optimizer steps between evaluations (one always runs at the end)."""
+    max_batches: int | None = Field(default=None, ge=1)
+    """Evaluate the first ``max_batches x micro_batch_size`` validation examples (absent: all of them)."""
+    micro_batch_size: int | None = Field(default=None, ge=1)
+    """Examples per forward pass of the evaluation (absent: ``batch.micro_batch_size``)."""
+    patience: int | None = Field(default=None, ge=1)
+    """Stop when the validation loss has not improved for this many evaluations (absent: never)."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.data is not None or self.holdout_shards is not None
+
+    @model_validator(mode="after")
+    def _one_source(self) -> EvalConfig:
+        if self.data is not None and self.holdout_shards is not None:
+            raise ValueError("give data or holdout_shards, not both (set the other to null)")
+        return self
 
 
 class RunConfig(_Section):
@@ -158,7 +190,24 @@ class TrainConfig(_Section):
     nonfinite: NonFiniteConfig = NonFiniteConfig()
     env: EnvConfig = EnvConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    eval: EvalConfig = EvalConfig()
     run: RunConfig = RunConfig()
+
+    @model_validator(mode="after")
+    def _default_validation(self) -> TrainConfig:
+        # The embedded default run holds out part of its corpus, so `steadytrain train` shows both curves.
+        e = self.eval
+        if e.enabled:
+            return self
+        given = {k: getattr(e, k) for k in e.model_fields_set}
+        if self.data.path is None and "holdout_shards" not in e.model_fields_set:
+            object.__setattr__(self, "eval", EvalConfig(**{**DEFAULT_EVAL, **given}))
+        elif others := sorted(k for k, v in given.items() if v is not None):
+            raise ValueError(
+                f"eval.{others[0]} is set but there is no validation set: give eval.data (a dataset directory) "
+                "or eval.holdout_shards (shards of the training data to hold out)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _clip_one(self) -> TrainConfig:
@@ -182,7 +231,7 @@ def error_line(err: ValidationError, source: str) -> str:
     value = f"={brief(e['input'])}" if e["type"] not in ("missing", "value_error") and e["loc"] else ""
     msg = e["msg"].removeprefix("Value error, ")
     more = f" (and {err.error_count() - 1} more)" if err.error_count() > 1 else ""
-    return f"{source}: {key}{value}: {msg}{more}"
+    return f"{source}: {key}{value}: {msg}{more}" if e["loc"] else f"{source}: {msg}{more}"
 
 
 def _parse_set(item: str) -> tuple[list[str], Any]:

@@ -14,6 +14,7 @@ import torch
 
 from steadytrain.train.config import TrainConfig
 from steadytrain.train.distributed import DistInfo
+from steadytrain.train.evaluate import Validation
 from steadytrain.train.metrics import MetricsLog
 from steadytrain.train.rundir import RunDir
 from steadytrain.train.setup import RunPlan
@@ -70,3 +71,6 @@ class Job:
     changes: dict[str, list[Any]] = field(default_factory=dict)
     """What a resume changed in the saved config (``{key: [saved, new]}``)."""
     stop: StopRequest | None = None
+    validation: Validation | None = None
+    ended: str | None = None
+    """Why a run that succeeded ended before its last planned step (early stopping)."""

@@ -8,7 +8,6 @@ rank 0 writes the run directory, every rank appends its own non-finite events.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ from steadytrain.train import runfiles
 from steadytrain.train.checkpoint import apply_checkpoint, latest_checkpoint, load_checkpoint, save_checkpoint
 from steadytrain.train.config import TrainConfig
 from steadytrain.train.distributed import DistInfo, barrier, init_distributed, teardown, wrap_model
+from steadytrain.train.evaluate import Validation, evaluate, precision_context
 from steadytrain.train.job import Interrupted, Job, TrainingStopped
 from steadytrain.train.metrics import MetricsLog, Progress
 from steadytrain.train.models import build_model
@@ -29,8 +29,10 @@ from steadytrain.train.resume import apply_hyperparameters, hyperparameters
 from steadytrain.train.setup import (
     build_accumulator,
     build_dataset,
+    build_evalset,
     build_optimizer,
     data_path,
+    eval_shards,
     model_context,
     resolve_plan,
 )
@@ -68,8 +70,10 @@ def _build(cfg: TrainConfig, info: DistInfo, run_dir: Path | None, resume: Path 
     seed_everything(cfg.run.seed, cfg.run.deterministic)
     path = data_path(cfg)
     k = resolve_plan(cfg, info.world_size, None).accumulation_steps
-    ds = build_dataset(cfg, path, info, k)
+    held_out = eval_shards(cfg, path)
+    ds = build_dataset(cfg, path, info, k, held_out)
     plan = resolve_plan(cfg, info.world_size, ds.steps_per_epoch, ds.dropped_per_epoch)
+    evalset = build_evalset(cfg, path, held_out, info, ds)  # refused here, before any step or run directory
     torch.manual_seed(cfg.run.seed)  # the same initial weights on every rank
     model = build_model(cfg.model.name, cfg.model.kwargs(), context=model_context(cfg, path))
     model = wrap_model(model, info, cfg.distributed.strategy)
@@ -77,8 +81,10 @@ def _build(cfg: TrainConfig, info: DistInfo, run_dir: Path | None, resume: Path 
     scaler = torch.amp.GradScaler(info.device.type) if cfg.precision == "fp16" else None
     acc = build_accumulator(cfg, model, optimizer, plan, scaler)
     manifest = runfiles.check_environment(cfg, info)  # before anything is written: a refusal leaves no run dir
-    run, lock, changes = runfiles.prepare(cfg, info, plan, run_dir=run_dir, resume=resume, data=path)
+    run, lock, changes = runfiles.prepare(cfg, info, plan, run_dir=run_dir, resume=resume, data=path, held_out=held_out)
     job = Job(cfg, info, plan, run, model, optimizer, acc, ds, scaler, lock=lock, changes=changes)
+    if evalset is not None:
+        job.validation = Validation(evalset, cfg.eval.every_steps, cfg.eval.patience)
     try:
         runfiles.record_environment(info, run, manifest, resume=resume is not None)
         if resume is not None:
@@ -111,6 +117,8 @@ def _resume(job: Job) -> None:
         for shard, count in saved.items():
             job.exposure[shard] = count
     job.elapsed_before = float(state.get("elapsed_s", 0.0))
+    if job.validation is not None and state.get("validation"):
+        job.validation.load_state_dict(state["validation"])
     if job.info.is_main:
         runfiles.truncate_logs(job.run, job.step)
         runfiles.record_resume(job, path.name)
@@ -139,9 +147,11 @@ def _run(job: Job) -> dict[str, Any]:
         if progress is not None:
             progress.close()
     _checkpoint(job)
+    if stopped == job.ended:  # early stopping: a run that ends well
+        stopped = None
     if not stopped and job.acc.skipped_steps and job.acc.optimizer_steps == 0:
         stopped = f"no update was applied: every one of the {job.step} optimizer steps was non-finite and skipped"
-    summary = runfiles.finish(job, stopped)
+    summary = runfiles.finish(job, stopped or job.ended)
     if not stopped:
         return summary
     if job.stop is not None and job.stop.stopped:
@@ -198,11 +208,7 @@ def _micro_batch(job: Job, mb: dict[str, Any]) -> tuple[Any, torch.Tensor]:
     batch = {k: v.to(dev, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in mb.items()}
     shard, index = mb["shard"], mb["index"]
     runfiles.count_exposure(job, shard)
-    autocast = (
-        torch.autocast(dev.type, dtype=torch.bfloat16 if job.cfg.precision == "bf16" else torch.float16)
-        if job.cfg.precision != "fp32"
-        else contextlib.nullcontext()
-    )
+    autocast = precision_context(dev, job.cfg.precision)
     job.lr = job.optimizer.param_groups[0]["lr"]
     tag: dict[str, Any] = {"shard": shard, "index": index, "losses": None}
     with job.acc.micro_batch(tag=tag) as m:
@@ -241,14 +247,32 @@ def _after_step(job: Job, result: Any, loss: torch.Tensor) -> str | None:
         job.metrics.flush()
     if job.stop is not None and job.stop.agreed():
         return f"interrupted by {job.stop.name} at step {job.step}"  # the checkpoint follows (in _run)
-    if job.step % cfg.checkpoint.every_steps == 0 and job.step < job.plan.total_steps:
+    best = _validate(job) if job.validation is not None and job.validation.due(job.step, _last_step(job)) else False
+    if (job.step % cfg.checkpoint.every_steps == 0 or best) and job.step < _last_step(job) and not job.ended:
         _checkpoint(job)
+    if job.ended:
+        return job.ended
     if job.consecutive_skips >= cfg.nonfinite.max_consecutive_skips:
         return (
             f"{job.consecutive_skips} consecutive non-finite steps (nonfinite.max_consecutive_skips="
             f"{cfg.nonfinite.max_consecutive_skips}) at step {job.step}: see {job.run.nonfinite}"
         )
     return None
+
+
+def _last_step(job: Job) -> int:
+    return min(job.plan.total_steps, job.stop_after or job.plan.total_steps)
+
+
+def _validate(job: Job) -> bool:
+    """Evaluate after this step (every rank), write its row; whether a checkpoint must keep it as the best."""
+    result = evaluate(job.model, job.validation.evalset, job.info, precision=job.cfg.precision)
+    improved, stop = job.validation.record(result, job.step)
+    job.metrics.add_eval(result.row(job.step))
+    if stop is not None and job.info.is_main:
+        log.info("%s", stop)
+    job.ended = stop
+    return improved and job.cfg.checkpoint.keep_best
 
 
 def _checkpoint(job: Job) -> None:
@@ -266,6 +290,7 @@ def _checkpoint(job: Job) -> None:
         "elapsed_s": job.metrics.elapsed() if job.metrics else 0.0,
         "exposure": {str(k): v for k, v in exposure.items()},
         "world_size": job.info.world_size,
+        "validation": job.validation.state_dict() if job.validation is not None else None,
     }
     save_checkpoint(
         job.run.checkpoints,
@@ -275,5 +300,6 @@ def _checkpoint(job: Job) -> None:
         extra=extra,
         is_main=job.info.is_main,
         keep_last=job.cfg.checkpoint.keep_last,
+        keep=frozenset({job.validation.best_step}) if job.validation and job.cfg.checkpoint.keep_best else frozenset(),
     )
     barrier(job.info)

@@ -71,6 +71,19 @@ class MetricsLog:
     def add(self, step: int, loss: torch.Tensor, lr: float, grad_norm: float, skipped: bool) -> None:
         self._pending.append(_Pending(step, loss.detach().float(), lr, grad_norm, skipped, time.perf_counter()))
 
+    def add_eval(self, row: dict[str, Any]) -> None:
+        """An evaluation's row (:meth:`EvalResult.row`), after the training rows up to its step (every rank
+        calls it: the pending rows' flush is a collective)."""
+        self.flush()
+        if not self.info.is_main:
+            return
+        append_jsonl(self.run.metrics, row)
+        if self._tb is not None and row["val_loss"] is not None:
+            self._tb.add_scalar("eval/loss", row["val_loss"], row["step"])
+            self._tb.flush()
+        loss = "not finite" if row["val_loss"] is None else f"{row['val_loss']:.4f}"
+        log.info("step %d/%d  val_loss %s over %d examples", row["step"], self.total_steps, loss, row["val_items"])
+
     def elapsed(self) -> float:
         return self.elapsed_before + time.perf_counter() - self._t0
 

@@ -25,6 +25,7 @@ _REFUSED = {
     "data.": "the data position in the checkpoint belongs to that dataset and order",
     "optim.name": "the optimizer state belongs to the optimizer it was saved from",
     "run.seed": "the data order and the random streams follow the seed",
+    "eval.holdout_shards": "the shards held out decide which shards the run trains on",
     "run.name": "a resumed run stays in its own directory",
     "run.dir": "a resumed run stays in its own directory",
 }

@@ -42,7 +42,14 @@ def agree(info: DistInfo, error: str | None) -> None:
 
 
 def prepare(
-    cfg: TrainConfig, info: DistInfo, plan: RunPlan, *, run_dir: Path | None, resume: Path | None, data: Path
+    cfg: TrainConfig,
+    info: DistInfo,
+    plan: RunPlan,
+    *,
+    run_dir: Path | None,
+    resume: Path | None,
+    data: Path,
+    held_out: list[int] | None = None,
 ) -> tuple[RunDir, Any, dict[str, list[Any]]]:
     """The run directory, locked by rank 0 for the run's lifetime: claimed new (never overwritten), or
     the one to resume with what the resume changes (refused in one line if it cannot be honoured).
@@ -61,8 +68,8 @@ def prepare(
                 run = claim_run_dir(path)
                 lock = lock_run(run)
                 run.write_config(resolved_config(cfg))
-                run.write_json(run.plan, {**plan.to_dict(), "data": str(Path(data).resolve())})
-                run.write_json(run.data, describe_data(data))
+                run.write_json(run.plan, {**plan.to_dict(), "data": str(Path(data).resolve()), "eval_shards": held_out})
+                run.write_json(run.data, describe_data(data, held_out=held_out, validation=cfg.eval.data))
         except UserError as err:
             error = str(err)
             if lock is not None:
@@ -101,14 +108,22 @@ def _resume_changes(cfg: TrainConfig, plan: RunPlan, run: RunDir) -> dict[str, l
     return changes
 
 
-def describe_data(path: Path, max_odd: int = 100) -> dict[str, Any]:
+def describe_data(
+    path: Path, max_odd: int = 100, *, held_out: list[int] | None = None, validation: str | None = None
+) -> dict[str, Any]:
     """What a run trains on, for ``compare`` and ``repro``: fingerprint, size, the majority provenance
-    and the shards whose provenance differs from it (at most ``max_odd``; reads the index only)."""
+    and the shards whose provenance differs from it (at most ``max_odd``; reads the index only); the
+    shards held out for validation with their provenance, or the separate validation set's description."""
     from steadytrain.data import majority_provenance, open_dataset, provenance_outliers
 
     ds = open_dataset(path)
     odd = provenance_outliers(ds)
-    return {
+    extra: dict[str, Any] = {}
+    if held_out:
+        extra["holdout"] = {str(s): ds.shard(s).provenance for s in held_out}
+    if validation is not None:
+        extra["validation"] = describe_data(Path(validation), max_odd)
+    return extra | {
         "path": str(Path(path).resolve()),
         "fingerprint": ds.fingerprint(),
         "shards": len(ds.shards),
@@ -170,7 +185,8 @@ def record_resume(job: Job, checkpoint: str) -> None:
 
     append(job.run, step=job.step, world_size=job.info.world_size, checkpoint=checkpoint, changes=job.changes)
     saved = load_json(job.run.plan, what="batch plan") if job.run.plan.exists() else {}
-    plan = {**job.plan.to_dict(), "data": saved.get("data") if isinstance(saved, dict) else None}
+    held_out = job.validation.evalset.shard_ids if job.validation and job.cfg.eval.holdout_shards else None
+    plan = {**job.plan.to_dict(), "data": saved.get("data"), "eval_shards": held_out}
     if job.changes:
         job.run.write_config(resolved_config(job.cfg))
         for key, (old, new) in job.changes.items():
@@ -275,6 +291,8 @@ def finish(job: Job, stopped: str | None) -> dict[str, Any]:
         ]
         if stopped:
             lines.append(f"- stopped early: {md(stopped)}")
+        if (v := job.validation) is not None and v.best_step is not None:
+            lines.append(f"- best validation loss {v.best_loss:.6g} at step {v.best_step}")
         if sentence := _nonfinite_report(job):
             lines.append(f"- non-finite steps: {md(sentence)} (nonfinite\\_report.json)")
         write_text_atomic(job.run.summary, "\n".join(lines) + "\n")  # the command adds plots (runs.report)

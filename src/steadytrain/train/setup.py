@@ -17,7 +17,15 @@ import torch
 from torch import nn
 
 from steadytrain.accumulate import GradientAccumulator
-from steadytrain.data import Schema, ShardedDataset, healthy_shards, infer_schema, open_dataset
+from steadytrain.data import (
+    EvalSet,
+    Schema,
+    ShardedDataset,
+    healthy_shards,
+    holdout_shards,
+    infer_schema,
+    open_dataset,
+)
 from steadytrain.errors import UserError
 from steadytrain.optim import LAMB, LARS, exclude_bias_and_norm
 from steadytrain.schedule import BatchPlan, warmup_schedule
@@ -103,10 +111,21 @@ def load_schema(cfg: TrainConfig) -> Schema | None:
     return Schema.load(cfg.data.schema_file) if cfg.data.schema_file else None
 
 
-def build_dataset(cfg: TrainConfig, path: Path, info: DistInfo, accumulation_steps: int) -> ShardedDataset:
-    """This rank's view of the global order (equal micro-batch counts on every rank)."""
+def eval_shards(cfg: TrainConfig, path: Path) -> list[int] | None:
+    """The training shards held out for validation (``eval.holdout_shards``, drawn from ``run.seed``), or None."""
+    if cfg.eval.holdout_shards is None:
+        return None
+    return holdout_shards(open_dataset(path).shard_ids, cfg.eval.holdout_shards, cfg.run.seed)
+
+
+def build_dataset(
+    cfg: TrainConfig, path: Path, info: DistInfo, accumulation_steps: int, held_out: list[int] | None = None
+) -> ShardedDataset:
+    """This rank's view of the global order (equal micro-batch counts on every rank), without ``held_out``."""
+    shards = None if not held_out else sorted(set(open_dataset(path).shard_ids) - set(held_out))
     return ShardedDataset(
         path,
+        shards=shards,
         rank=info.rank,
         world_size=info.world_size,
         batch_size=cfg.batch.micro_batch_size,
@@ -117,6 +136,29 @@ def build_dataset(cfg: TrainConfig, path: Path, info: DistInfo, accumulation_ste
         schema=load_schema(cfg),
         policy=cfg.data.policy,
     )
+
+
+def build_evalset(
+    cfg: TrainConfig, path: Path, held_out: list[int] | None, info: DistInfo, training: ShardedDataset | None
+) -> EvalSet | None:
+    """This rank's slice of the validation set (None without one); refused at start if it does not fit
+    the training data's columns (a DatasetError: one line, before any step)."""
+    if not cfg.eval.enabled:
+        return None
+    b = cfg.eval.micro_batch_size or cfg.batch.micro_batch_size
+    evalset = EvalSet(
+        Path(cfg.eval.data) if cfg.eval.data is not None else path,
+        shards=held_out,
+        rank=info.rank,
+        world_size=info.world_size,
+        batch_size=b,
+        max_examples=cfg.eval.max_batches * b if cfg.eval.max_batches else None,
+        schema=load_schema(cfg),
+        policy=cfg.data.policy,
+    )
+    if training is not None:
+        evalset.check_fits(training)
+    return evalset
 
 
 def numeric_stats(path: Path, schema: Schema) -> dict[str, tuple[float, float]]:

@@ -1,0 +1,34 @@
+"""``steadytrain eval RUN``: parse, call :func:`steadytrain.train.evalrun.evaluate_run`, print (rank 0)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import click
+
+
+@click.command("eval")
+@click.argument("run", type=click.Path(file_okay=False))
+@click.option("--step", type=click.IntRange(1), default=None, help="The checkpoint's step (default: the latest).")
+@click.option(
+    "--data", type=click.Path(file_okay=False), default=None, help="Evaluate on this dataset instead of RUN's own."
+)
+@click.option("--json", "as_json", is_flag=True, help='Print {"step", "val_loss", "val_items"}.')
+def eval_cmd(run: str, step: int | None, data: str | None, as_json: bool) -> None:
+    """The validation loss of RUN's checkpoint: the mean per-example loss over its validation examples."""
+    from steadytrain._text import one_line
+    from steadytrain.train.evalrun import evaluate_run
+
+    row = evaluate_run(Path(run), step=step, data=data)
+    if os.environ.get("RANK", "0") != "0":
+        return
+    if as_json:
+        click.echo(json.dumps({k: row[k] for k in ("step", "val_loss", "val_items")}))
+    else:
+        loss = "not finite" if row["val_loss"] is None else f"{row['val_loss']:.6g}"
+        where = one_line(data) if data else "the run's validation set"
+        click.echo(f"step {row['step']}: val_loss {loss} over {row['val_items']} examples ({where})")
+    if row["val_loss"] is None:
+        raise click.exceptions.Exit(1)

@@ -1,0 +1,76 @@
+"""``steadytrain eval RUN``: a run's checkpoint evaluated on its validation set (or another dataset).
+
+The model is built and wrapped as the run built it (DDP or FSDP2 under torchrun, alone otherwise),
+its weights are a checkpoint's, and the pass is :func:`~steadytrain.train.evaluate.evaluate`, the
+one the training loop runs, with the run's ``eval`` settings (micro-batch size, ``max_batches``):
+so ``eval RUN --step S`` gives the value ``metrics.jsonl`` recorded at step ``S``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from steadytrain._io import load_json
+from steadytrain.errors import UserError
+from steadytrain.train.checkpoint import apply_model_state, list_checkpoints, load_checkpoint
+from steadytrain.train.config import TrainConfig, load_config
+from steadytrain.train.distributed import DistInfo, init_distributed, teardown, wrap_model
+from steadytrain.train.evaluate import evaluate
+from steadytrain.train.models import build_model
+from steadytrain.train.rundir import open_run_dir
+from steadytrain.train.setup import build_dataset, build_evalset, data_path, model_context, resolve_plan
+
+__all__ = ["evaluate_run"]
+
+
+def _checkpoint(ckpt_dir: Path, step: int | None) -> Path:
+    found = dict(list_checkpoints(ckpt_dir))
+    if not found:
+        raise UserError(f"{ckpt_dir}: the run has no checkpoint to evaluate")
+    if step is None:
+        return found[max(found)]
+    if step not in found:
+        have = ", ".join(str(s) for s in sorted(found)[-10:])
+        raise UserError(f"--step {step}: the run has no checkpoint of that step (it keeps steps {have})")
+    return found[step]
+
+
+def _evalset(cfg: TrainConfig, run_plan: dict[str, Any], info: DistInfo, data: Path | None) -> Any:
+    """The validation set the run used (its held-out shards or ``eval.data``), or ``data`` in its place."""
+    path = data_path(cfg)
+    held_out = run_plan.get("eval_shards") if cfg.eval.holdout_shards else None
+    k = resolve_plan(cfg, info.world_size, None).accumulation_steps
+    training = build_dataset(cfg, path, info, k, held_out)
+    if data is not None:
+        cfg = cfg.model_copy(update={"eval": cfg.eval.model_copy(update={"data": str(data), "holdout_shards": None})})
+        held_out = None
+    elif not cfg.eval.enabled:
+        raise UserError("the run has no validation set (no eval section): give one with --data PATH")
+    return build_evalset(cfg, path, held_out, info, training)
+
+
+def evaluate_run(run_dir: str | Path, *, step: int | None = None, data: str | Path | None = None) -> dict[str, Any]:
+    """``{"step", "val_loss", "val_items"}`` of the run's checkpoint at ``step`` (default: the latest).
+
+    Raises:
+        UserError: not a run, no such checkpoint, no validation set, a dataset that does not fit.
+    """
+    run = open_run_dir(Path(run_dir))
+    cfg = load_config(run.config)
+    run_plan = load_json(run.plan, what="batch plan") if run.plan.exists() else {}
+    path = _checkpoint(run.checkpoints, step)
+    info = init_distributed(cfg.distributed.backend)
+    try:
+        evalset = _evalset(cfg, run_plan if isinstance(run_plan, dict) else {}, info, Path(data) if data else None)
+        state = load_checkpoint(path)
+        torch.manual_seed(cfg.run.seed)
+        model = build_model(cfg.model.name, cfg.model.kwargs(), context=model_context(cfg, data_path(cfg)))
+        model = wrap_model(model, info, cfg.distributed.strategy)
+        apply_model_state(state, model)
+        result = evaluate(model, evalset, info, precision=cfg.precision)
+        return result.row(int(state["step"])) | {"checkpoint": str(path)}
+    finally:
+        teardown(info)
