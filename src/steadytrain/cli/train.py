@@ -123,9 +123,10 @@ def show(config: str | None, overrides: tuple[str, ...], world_size: int) -> Non
 
     from steadytrain.train.config import load_config
     from steadytrain.train.distributed import DistInfo
-    from steadytrain.train.setup import build_dataset, data_path, resolve_plan
+    from steadytrain.train.setup import build_dataset, check_model_args, data_path, resolve_plan
 
     cfg = load_config(config, list(overrides))
+    check_model_args(cfg, user_code=False)  # inspecting a config never runs a factory it names
     k = resolve_plan(cfg, world_size, None).accumulation_steps
     info = DistInfo(0, world_size, 0, torch.device("cpu"), None)
     ds = build_dataset(cfg, data_path(cfg), info, k)

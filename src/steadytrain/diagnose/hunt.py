@@ -308,6 +308,7 @@ def _step_batch(settings: dict[str, Any], step: int) -> dict[str, Any]:
         global_batch_size=settings["global_batch_size"],
         seed=settings["seed"],
         shuffle_window=settings["shuffle_window"],
+        shards=settings.get("shards"),
         schema=settings["schema"],
         policy=settings["policy"],
     )

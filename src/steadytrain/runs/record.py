@@ -12,20 +12,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from steadytrain._io import load_json, load_yaml, one_line, read_jsonl
+from steadytrain._io import load_json, load_yaml, one_line
 from steadytrain._mapping import flatten
 from steadytrain.env import EnvManifest
 from steadytrain.errors import UserError
-from steadytrain.runs._schema import (
+from steadytrain.train.rundir import RunDir, open_run_dir
+from steadytrain.train.runschema import (
     check_config,
     check_data,
     check_depth,
-    check_metrics_row,
     check_plan,
-    check_resume,
-    is_eval_row,
+    read_metrics,
+    read_resumes,
 )
-from steadytrain.train.rundir import RunDir, open_run_dir
 
 __all__ = ["RunRecord", "flatten", "load_run", "shown", "smooth"]
 
@@ -62,21 +61,6 @@ class RunRecord:
         return [int(row["step"]) for row in self.metrics]
 
 
-def _metrics(path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """The training rows and the evaluation rows of ``metrics.jsonl`` (a torn last line skipped), each
-    checked; the steps of each kind increase."""
-    rows: tuple[list[dict[str, Any]], list[dict[str, Any]]] = ([], [])
-    for n, row in read_jsonl(path, what="metrics log"):
-        kind = rows[1] if isinstance(row, dict) and is_eval_row(row) else rows[0]
-        kind.append(check_metrics_row(row, f"{path}: line {n}", kind[-1]["step"] if kind else 0))
-    return rows
-
-
-def _resumes(path: Path) -> list[dict[str, Any]]:
-    """Every line of ``resumes.jsonl`` (a torn last line skipped), each checked."""
-    return [check_resume(row, f"{path}: line {n}") for n, row in read_jsonl(path, what="resume record")]
-
-
 def _object(path: Path, what: str) -> dict[str, Any] | None:
     if not path.exists():
         return None
@@ -109,7 +93,7 @@ def load_run(path: str | Path) -> RunRecord:
     if not isinstance(config, dict):
         raise UserError(f"{run.config}: a run config is a mapping of sections, not {type(config).__name__}")
     plan, data = _object(run.plan, "batch plan"), _object(run.data, "data record")
-    metrics, evals = _metrics(run.metrics)
+    metrics, evals = read_metrics(run.metrics)
     return RunRecord(
         run=run,
         config=check_config(config, str(run.config)),
@@ -118,7 +102,7 @@ def load_run(path: str | Path) -> RunRecord:
         data=check_data(data, str(run.data)) if data is not None else None,
         metrics=metrics,
         evals=evals,
-        resumes=_resumes(run.resumes),
+        resumes=read_resumes(run.resumes),
     )
 
 

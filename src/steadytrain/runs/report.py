@@ -18,8 +18,8 @@ from steadytrain._io import load_json, one_line, write_text_atomic
 from steadytrain._text import error_text, md
 from steadytrain.errors import UserError
 from steadytrain.runs import plots
-from steadytrain.runs._schema import check_nonfinite_report
 from steadytrain.runs.record import RunRecord, load_run, shown, smooth
+from steadytrain.train.runschema import check_nonfinite_report
 
 __all__ = ["PLOTS", "Report", "environment_paragraph", "plan_sentence", "report", "report_after_training"]
 

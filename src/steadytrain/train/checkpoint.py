@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pickle
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -86,16 +87,19 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     """A checkpoint's contents (tensors and plain containers only), or a UserError naming the file."""
     path = Path(path)
     if not path.is_file():
-        raise UserError(f"{path}: no such checkpoint file")
+        what = "not a regular file" if path.exists() else "no such checkpoint file"
+        raise UserError(f"{path}: {what} (a checkpoint is a checkpoints/step-NNNNNNNN.pt file)")
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # torch's notes on the pickle protocol: the error below says it all
+            warnings.simplefilter("ignore")
+            state = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError:  # torch's advice (weights_only=False) would run the file's code: never
         raise UserError(
             f"{path}: not a steadytrain checkpoint (not a torch.save file of tensors and plain containers, the "
             f"only thing ever loaded){_older(path)}"
         ) from None
-    except (RuntimeError, EOFError, ValueError, OSError) as err:
-        why = error_text(err, 120)
+    except Exception as err:  # the restricted unpickler parses untrusted bytes: any failure means "not ours"
+        why = error_text(err, 120) if isinstance(err, RuntimeError | OSError) else type(err).__name__
         raise UserError(f"{path}: not a loadable steadytrain checkpoint ({why}){_older(path)}") from None
     if not isinstance(state, dict) or not {"step", "model", "optimizer"} <= set(state):
         raise UserError(f"{path}: not a steadytrain checkpoint (no step/model/optimizer)")

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from steadytrain._io import brief, load_yaml, parse_yaml
 from steadytrain.errors import UserError
+from steadytrain.schedule import MAX_COUNT
 
 __all__ = ["TrainConfig", "apply_overrides", "error_line", "load_config"]
 
@@ -53,19 +54,19 @@ class DataConfig(_Section):
 
 
 class BatchConfig(_Section):
-    micro_batch_size: int = Field(default=16, ge=1)
+    micro_batch_size: int = Field(default=16, ge=1, le=MAX_COUNT)
     """Examples per forward/backward on one rank."""
-    accumulation_steps: int | None = Field(default=None, ge=1)
+    accumulation_steps: int | None = Field(default=None, ge=1, le=MAX_COUNT)
     """Micro-batches per optimizer step (give this or ``global_batch_size``)."""
-    global_batch_size: int | None = Field(default=64, ge=1)
+    global_batch_size: int | None = Field(default=64, ge=1, le=MAX_COUNT)
     """Examples per optimizer step on all ranks; held constant across world sizes (accumulation derived)."""
     base_lr: float = Field(default=3e-3, gt=0, allow_inf_nan=False)
     """The LR known to work at ``base_batch_size``."""
-    base_batch_size: int | None = Field(default=64, ge=1)
+    base_batch_size: int | None = Field(default=64, ge=1, le=MAX_COUNT)
     """The batch ``base_lr`` was tuned at; absent: ``base_lr`` is used unscaled."""
     scaling: Literal["linear", "sqrt", "none"] = "linear"
     """How the LR follows the effective batch."""
-    warmup_steps: int | None = Field(default=None, ge=0)
+    warmup_steps: int | None = Field(default=None, ge=0, le=MAX_COUNT)
     """Warmup in optimizer steps (give this or ``warmup_ratio``)."""
     warmup_ratio: float | None = Field(default=0.1, ge=0, le=1)
     """Warmup as a fraction of the run's optimizer steps."""
@@ -87,11 +88,14 @@ class BatchConfig(_Section):
         return self
 
 
+Beta = Annotated[float, Field(ge=0, lt=1, allow_inf_nan=False)]
+
+
 class OptimConfig(_Section):
     name: Literal["adamw", "sgd", "lars", "lamb"] = "adamw"
     """The optimizer."""
     weight_decay: float = Field(default=0.01, ge=0, allow_inf_nan=False)
-    betas: tuple[float, float] = (0.9, 0.95)
+    betas: tuple[Beta, Beta] = (0.9, 0.95)
     """Adam-type moment decays."""
     momentum: float = Field(default=0.9, ge=0, lt=1)
     """SGD/LARS momentum."""
@@ -145,7 +149,7 @@ class EvalConfig(_Section):
     """Optimizer steps between evaluations (one always runs at the end)."""
     max_batches: int | None = Field(default=None, ge=1)
     """Evaluate the first ``max_batches x micro_batch_size`` validation examples (absent: all of them)."""
-    micro_batch_size: int | None = Field(default=None, ge=1)
+    micro_batch_size: int | None = Field(default=None, ge=1, le=MAX_COUNT)
     """Examples per forward pass of the evaluation (absent: ``batch.micro_batch_size``)."""
     patience: int | None = Field(default=None, ge=1)
     """Stop when the validation loss has not improved for this many evaluations (absent: never)."""
@@ -169,7 +173,7 @@ class RunConfig(_Section):
     seed: int = Field(default=0, ge=0, lt=2**63)
     deterministic: bool = False
     """Deterministic algorithms (slower; what ``repro`` uses)."""
-    max_steps: int | None = Field(default=200, ge=1)
+    max_steps: int | None = Field(default=200, ge=1, le=MAX_COUNT)
     """Stop after this many optimizer steps (None: ``epochs`` decides)."""
     epochs: int = Field(default=1, ge=1)
     log_every: int = Field(default=10, ge=1)

@@ -28,11 +28,13 @@ from torch import nn
 
 from steadytrain._io import load_json
 from steadytrain._text import error_text
+from steadytrain.data import open_dataset
 from steadytrain.errors import UserError
 from steadytrain.train.checkpoint import latest_checkpoint, load_checkpoint
 from steadytrain.train.config import TrainConfig, load_config
 from steadytrain.train.models import build_model
 from steadytrain.train.rundir import open_run_dir
+from steadytrain.train.runschema import read_metrics
 from steadytrain.train.setup import data_path, load_schema, model_context
 
 __all__ = ["choose_checkpoint", "initial_model", "run_model", "weights_note"]
@@ -136,7 +138,8 @@ def run_model(
             weights); None: the newest.
 
     Returns:
-        ``(model, settings)``; settings hold ``data`` (path), ``schema`` (a Schema or None), ``policy``,
+        ``(model, settings)``; settings hold ``data`` (path), ``shards`` (the training shards when some
+        were held out for validation, else None), ``schema`` (a Schema or None), ``policy``,
         ``seed``, ``global_batch_size``, ``micro_batch_size``, ``shuffle_window``, ``checkpoint`` (None
         for the initial weights), ``checkpoint_step`` (0 for the initial weights) and ``note`` (None
         when the weights are exactly those of ``before_step``; else what they are instead).
@@ -147,6 +150,9 @@ def run_model(
     run = open_run_dir(Path(run_dir))
     cfg = load_config(run.config)
     path = data_path(cfg)
+    last = max((r["step"] for r in read_metrics(run.metrics)[0]), default=None)
+    if before_step is not None and last is not None and before_step >= last:
+        raise UserError(f"step {before_step + 1}: the run has {last} optimizer steps (metrics.jsonl): give 1 to {last}")
     if checkpoint is None:
         checkpoint = choose_checkpoint(run.checkpoints, before_step)
     model = _seeded_model(cfg, path)  # the initial weights; a checkpoint's replace them
@@ -156,8 +162,10 @@ def run_model(
         _load_weights(model, state, Path(checkpoint))
         step = int(state["step"])
     plan = load_json(run.plan, what="plan") if run.plan.exists() else {}
+    held_out = set(plan.get("eval_shards") or ())
     settings = {
         "data": path,
+        "shards": sorted(set(open_dataset(path).shard_ids) - held_out) if held_out else None,
         "schema": load_schema(cfg),
         "policy": cfg.data.policy,
         "seed": cfg.run.seed,

@@ -10,6 +10,7 @@ Every resume appends a line to ``resumes.jsonl`` (step, world size, what changed
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import torch
@@ -55,9 +56,10 @@ def refuse_changes(
         if why is None and key == "precision" and "fp16" in (old, new):
             why = "fp16 keeps a loss-scaler state that the other precisions do not have"
         if why:
+            keep = json.dumps(old) if old is None or isinstance(old, bool | int | float) else brief(old)
             raise UserError(
                 f"--resume {run}: {key} cannot change ({brief(old)} -> {brief(new)}) because {why}; "
-                "start a new run to change it"
+                f"start a new run to change it, or keep it with --set {key}={keep}"
             )
     old_g, new_g = saved_plan.get("global_batch_size"), plan.get("global_batch_size")
     if old_g is not None and old_g != new_g:

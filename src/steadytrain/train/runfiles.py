@@ -21,6 +21,7 @@ from steadytrain._text import md
 from steadytrain.errors import UserError
 from steadytrain.train.distributed import DistInfo, barrier
 from steadytrain.train.rundir import RunDir, claim_run_dir, lock_run, open_run_dir
+from steadytrain.train.runschema import check_plan, read_metrics, read_resumes
 
 if TYPE_CHECKING:
     from steadytrain.train.config import TrainConfig
@@ -82,9 +83,23 @@ _PATHS = (("data", "path"), ("data", "schema"), ("env", "contract"))
 """Config keys that name files: stored absolute, so the run resumes and compares from any directory."""
 
 
+def check_run_files(run: RunDir, plan: dict[str, Any]) -> None:
+    """Before a resume appends to them: every log and record of the run as its readers check them (a
+    damaged line is one error naming file and line, never carried on under new rows)."""
+    from steadytrain.diagnose import read_exposure, read_ledger
+
+    check_plan(plan, str(run.plan))
+    read_metrics(run.metrics)
+    read_resumes(run.resumes)
+    read_ledger(run.path)
+    read_exposure(run.path)
+
+
 def resolved_config(cfg: TrainConfig) -> dict[str, Any]:
     """``cfg`` as plain data with the paths it names made absolute (what ``config.yaml`` holds)."""
     out = cfg.to_dict()
+    if cfg.eval.enabled and cfg.eval.micro_batch_size is None:  # the validation set stays the same size if
+        out["eval"]["micro_batch_size"] = cfg.batch.micro_batch_size  # a resume changes the training micro batch
     for section, key in _PATHS:
         if out[section].get(key):
             out[section][key] = str(Path(out[section][key]).resolve())
@@ -103,6 +118,7 @@ def _resume_changes(cfg: TrainConfig, plan: RunPlan, run: RunDir) -> dict[str, l
     saved_plan = load_json(run.plan, what="batch plan") if run.plan.exists() else {}
     if not isinstance(saved, dict) or not isinstance(saved_plan, dict):
         raise UserError(f"{run.path}: config.yaml or plan.json is not a mapping: the run directory is damaged")
+    check_run_files(run, saved_plan)
     changes = config_changes(saved, resolved_config(cfg))
     refuse_changes(changes, saved_plan, plan.to_dict(), found[-1][0], str(run.path))
     return changes

@@ -264,12 +264,20 @@ def build_accumulator(
 def check_before_launch(cfg: TrainConfig, *, run_dir: Path | None, resume: bool) -> None:
     """What can be checked once before ``--nproc`` starts the ranks: the run directory is free and the
     model builds with its arguments (on the meta device: no memory, any size). Raises UserError."""
-    from steadytrain.train.models import build_model
     from steadytrain.train.rundir import exists_error
 
     path = run_dir if run_dir is not None else Path(cfg.run.dir) / cfg.run.name
     if not resume and path.exists():
         raise exists_error(path)
-    if cfg.model.name != "tabular":  # the tabular model needs the data's statistics: its ranks check it
+    check_model_args(cfg)
+
+
+def check_model_args(cfg: TrainConfig, *, user_code: bool = True) -> None:
+    """The model builds with its arguments: on the meta device (no memory, any size); a UserError if not.
+    The tabular model needs the data's statistics: it is checked where it is built. ``user_code=False``
+    checks the built-in models only (``config show`` inspects a config without running its factory)."""
+    from steadytrain.train.models import build_model
+
+    if cfg.model.name == "tiny-lm" or (user_code and cfg.model.name != "tabular"):
         with torch.device("meta"):
             build_model(cfg.model.name, cfg.model.kwargs(), context={"seq_len": cfg.data.seq_len})

@@ -1,4 +1,4 @@
-"""The shape of each run-directory file that :mod:`steadytrain.runs` reads, checked once, where it is read.
+"""The shape of each run-directory file, checked once, where it is read (by :mod:`steadytrain.runs`, and by a resume).
 
 One check per file type: ``metrics.jsonl`` rows, ``plan.json``, ``config.yaml`` (the keys the
 report, the plots and repro use), ``data.json``, ``env.json`` (the manifest's own schema) and
@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from steadytrain._check import check_finite, check_flag, check_int, check_mapping, check_text
-from steadytrain._io import brief
+from steadytrain._io import brief, read_jsonl
 from steadytrain.errors import UserError
 from steadytrain.schedule import DECAYS, MAX_COUNT
 
@@ -29,6 +30,8 @@ __all__ = [
     "check_plan",
     "check_resume",
     "is_eval_row",
+    "read_metrics",
+    "read_resumes",
 ]
 
 MAX_DEPTH = 32
@@ -259,3 +262,18 @@ def check_resume(row: Any, where: str) -> dict[str, Any]:
     except UserError as err:
         raise UserError(f"{where}: {err}; {RESUME_FIX}") from None
     return row
+
+
+def read_metrics(path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The training rows and the evaluation rows of ``metrics.jsonl`` (a torn last line skipped), each
+    checked; the steps of each kind increase."""
+    rows: tuple[list[dict[str, Any]], list[dict[str, Any]]] = ([], [])
+    for n, row in read_jsonl(path, what="metrics log"):
+        kind = rows[1] if isinstance(row, dict) and is_eval_row(row) else rows[0]
+        kind.append(check_metrics_row(row, f"{path}: line {n}", kind[-1]["step"] if kind else 0))
+    return rows
+
+
+def read_resumes(path: Path) -> list[dict[str, Any]]:
+    """Every line of ``resumes.jsonl`` (a torn last line skipped), each checked."""
+    return [check_resume(row, f"{path}: line {n}") for n, row in read_jsonl(path, what="resume record")]
