@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from typing import Any
 
 from steadytrain._io import brief
 from steadytrain.errors import UserError
@@ -45,22 +46,17 @@ def check_finite(name: str, value: object, *, minimum: float | None = None, stri
     return out
 
 
-def check_text(name: str, value: object) -> str:
-    """``value`` if it is a string, else a :class:`UserError` naming ``name`` and the type given."""
-    if not isinstance(value, str):
-        raise UserError(f"{name}={brief(value)} must be a string ({type(value).__name__} given)")
-    return value
+_KINDS = {str: "a string", bool: "true or false", dict: "a mapping", list: "a list"}
 
 
-def check_flag(name: str, value: object) -> bool:
-    """``value`` if it is a bool (not 0/1), else a :class:`UserError` naming ``name``."""
-    if not isinstance(value, bool):
-        raise UserError(f"{name}={brief(value)} must be true or false ({type(value).__name__} given)")
-    return value
+def check_type(name: str, value: object, kind: type) -> Any:
+    """``value`` if it is a ``kind`` (``str``, ``bool``, ``dict`` or ``list``; a bool is not an int here), else a
+    :class:`UserError` naming ``name``, what it must be and the type given.
 
-
-def check_mapping(name: str, value: object) -> dict:
-    """``value`` if it is a mapping (a JSON object), else a :class:`UserError` naming ``name``."""
-    if not isinstance(value, dict):
-        raise UserError(f"{name}={brief(value)} must be a mapping ({type(value).__name__} given)")
+    Example:
+        >>> check_type("reason", "nan", str)
+        'nan'
+    """
+    if not isinstance(value, kind):
+        raise UserError(f"{name}={brief(value)} must be {_KINDS[kind]} ({type(value).__name__} given)")
     return value

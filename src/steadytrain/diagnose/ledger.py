@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from steadytrain._check import check_int, check_text
+from steadytrain._check import check_int, check_type
 from steadytrain._io import append_jsonl, brief, load_json, read_jsonl
 from steadytrain.accumulate import NonFiniteEvent
 from steadytrain.accumulate.events import REASONS
@@ -154,7 +154,7 @@ def _fields(record: dict[str, Any]) -> dict[str, Any]:
     if len(micro_steps) != 2 or micro_steps[0] > micro_steps[1]:
         raise UserError(f"micro_steps={brief(micro_steps)} must be [first, last] micro-step of the cycle")
     for key in ("action", "reason"):
-        check_text(key, record[key])
+        check_type(key, record[key], str)
     if record["reason"] not in REASONS:
         raise UserError(f"reason={brief(record['reason'])} is not one of {', '.join(REASONS)}")
     n = len(tags)

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from steadytrain._check import check_finite, check_flag, check_int, check_mapping, check_text
+from steadytrain._check import check_finite, check_int, check_type
 from steadytrain._io import brief, read_jsonl
 from steadytrain.errors import UserError
 from steadytrain.schedule import DECAYS, MAX_COUNT
@@ -44,7 +44,7 @@ DATA_FIX = "the data record is damaged: restore data.json (or delete it: compare
 
 
 def _path(name: str, value: Any) -> str:
-    if "\x00" in check_text(name, value):
+    if "\x00" in check_type(name, value, str):
         raise UserError(f"{name}={brief(value)} is not a path (it holds a NUL byte)")
     return value
 
@@ -55,14 +55,8 @@ def _fraction(name: str, value: Any) -> float:
     return value
 
 
-def _list(name: str, value: Any) -> list:
-    if not isinstance(value, list):
-        raise UserError(f"{name}={brief(value)} must be a list ({type(value).__name__} given)")
-    return value
-
-
 def _decay(name: str, value: Any) -> str:
-    if check_text(name, value) not in DECAYS:
+    if check_type(name, value, str) not in DECAYS:
         raise UserError(f"{name}={brief(value)} is not a decay: one of {', '.join(DECAYS)}")
     return value
 
@@ -76,12 +70,14 @@ KINDS: dict[str, Check] = {
     "nonnegative": lambda n, v: check_finite(n, v, minimum=0.0),
     "positive number": lambda n, v: check_finite(n, v, minimum=0.0, strict=True),
     "fraction": _fraction,
-    "flag": check_flag,
-    "text": check_text,
+    "flag": lambda n, v: check_type(n, v, bool),
+    "text": lambda n, v: check_type(n, v, str),
     "path": _path,
-    "mapping": check_mapping,
+    "mapping": lambda n, v: check_type(n, v, dict),
     "decay": _decay,
-    "shard list": lambda n, v: [check_int(f"{n}[{i}]", s, 0, maximum=MAX_COUNT) for i, s in enumerate(_list(n, v))],
+    "shard list": lambda n, v: [
+        check_int(f"{n}[{i}]", s, 0, maximum=MAX_COUNT) for i, s in enumerate(check_type(n, v, list))
+    ],
 }
 
 # key -> (kind, null allowed); an absent key is always allowed (older runs, optional files)
@@ -253,10 +249,10 @@ def check_resume(row: Any, where: str) -> dict[str, Any]:
     """One line of ``resumes.jsonl``: ``step`` (>= 1), ``world_size`` (>= 1), ``changes`` ``{key: [old, new]}``."""
     try:
         check_depth(row, where)
-        check_mapping("line", row)
+        check_type("line", row, dict)
         check_int("step", row.get("step"), 1, maximum=MAX_COUNT)
         check_int("world_size", row.get("world_size"), 1, maximum=MAX_COUNT)
-        for key, pair in check_mapping("changes", row.get("changes", {})).items():
+        for key, pair in check_type("changes", row.get("changes", {}), dict).items():
             if not isinstance(pair, list) or len(pair) != 2:
                 raise UserError(f"changes.{brief(key)}={brief(pair)} must be [old, new]")
     except UserError as err:
