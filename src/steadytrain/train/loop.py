@@ -165,9 +165,7 @@ def _run(job: Job) -> dict[str, Any]:
 
 def _steps(job: Job) -> str | None:
     """Optimizer steps until the plan's total; returns why it stopped early, or None."""
-    total, resumed = job.plan.total_steps, job.step > 0
-    if job.stop_after is not None:
-        total = min(total, job.stop_after)
+    total, resumed = _last_step(job), job.step > 0
     while job.step < total:
         if not resumed:
             job.ds.set_epoch(job.epoch)
@@ -261,6 +259,7 @@ def _after_step(job: Job, result: Any, loss: torch.Tensor) -> str | None:
 
 
 def _last_step(job: Job) -> int:
+    """The step the run ends after: the plan's total, or ``stop_after`` (``repro``) when sooner."""
     return min(job.plan.total_steps, job.stop_after or job.plan.total_steps)
 
 
