@@ -265,3 +265,15 @@ def test_sweep_ranks_trials_by_validation_loss_when_every_trial_has_one():
     assert best == 1 and held is True and "final validation loss 1.6" in text
     best, _, text = verdict([trial(0.5, 2.0, 2.1), trial(1, 1.5, None), trial(2, 1.0, 1.9)], 1.0)
     assert best == 2 and "smoothed final loss 1" in text  # one trial without: training loss, as before
+
+
+def test_compare_gives_both_validation_losses_at_the_common_evaluation_steps(tmp_path, data, other):
+    base = [*TINY, f"data.path={data}", f"eval.data={other}", "eval.every_steps=2"]
+    train(tmp_path / "a", *base, "run.max_steps=4")
+    train(tmp_path / "b", *base, "run.max_steps=6", "batch.base_lr=0.02")
+    proc = run_cli("compare", str(tmp_path / "a"), str(tmp_path / "b"), "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    va, vb = ({r["step"]: r["val_loss"] for r in evals(tmp_path / n)} for n in ("a", "b"))
+    assert out["validation"] == {str(s): [va[s], vb[s]] for s in (2, 4)}
+    assert f"validation loss at step 4 (last common of 2): A {va[4]:.6g} vs B {vb[4]:.6g}" in out["sentence"]
