@@ -26,6 +26,7 @@ from torch import nn
 
 from steadytrain.data import EvalSet
 from steadytrain.train.distributed import DistInfo
+from steadytrain.train.models import check_losses
 
 __all__ = ["EvalResult", "Validation", "evaluate", "precision_context"]
 
@@ -64,10 +65,8 @@ def _callable(model: nn.Module) -> tuple[nn.Module, bool]:
 
 def _losses(out: Any, n: int) -> torch.Tensor:
     """Per-example losses ``[n]`` as float64 (a scalar mean counts as ``n`` equal losses)."""
-    if not isinstance(out, torch.Tensor) or out.dim() > 1 or (out.dim() == 1 and len(out) != n):
-        shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-        raise ValueError(f"model returned {shape} in evaluation: return per-example losses (shape [{n}]) or a mean")
-    return out.detach().double().expand(n) if out.dim() == 0 else out.detach().double()
+    out = check_losses(out, n).detach().double()
+    return out.expand(n) if out.dim() == 0 else out
 
 
 def _to(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from steadytrain.train.distributed import DistInfo, barrier, init_distributed, t
 from steadytrain.train.evaluate import Validation, evaluate, precision_context
 from steadytrain.train.job import Interrupted, Job, TrainingStopped
 from steadytrain.train.metrics import MetricsLog, Progress
-from steadytrain.train.models import build_model
+from steadytrain.train.models import build_model, check_losses
 from steadytrain.train.resume import apply_hyperparameters, hyperparameters
 from steadytrain.train.setup import (
     build_accumulator,
@@ -212,7 +212,7 @@ def _micro_batch(job: Job, mb: dict[str, Any]) -> tuple[Any, torch.Tensor]:
     with job.acc.micro_batch(tag=tag) as m:
         with autocast:
             out = job.model(batch)
-        loss = _mean_loss(out, len(index))
+        loss = check_losses(out, len(index)).float().mean()
         if out.dim() == 1:
             tag["losses"] = out.detach()  # per-example; its flags are computed only if the step is refused
         m.backward(loss)
@@ -220,13 +220,6 @@ def _micro_batch(job: Job, mb: dict[str, Any]) -> tuple[Any, torch.Tensor]:
     if m.result is None:
         return None, job.step_loss
     return m.result, job.step_loss / (m.position + 1)  # the step's mean loss: divided once per step
-
-
-def _mean_loss(out: Any, n: int) -> torch.Tensor:
-    if not isinstance(out, torch.Tensor) or out.dim() > 1 or (out.dim() == 1 and len(out) != n):
-        shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-        raise UserError(f"model returned {shape}: return per-example losses (shape [{n}]) or a scalar mean")
-    return out.float().mean()
 
 
 def _after_step(job: Job, result: Any, loss: torch.Tensor) -> str | None:

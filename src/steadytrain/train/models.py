@@ -35,7 +35,7 @@ from steadytrain._io import brief
 from steadytrain._text import error_text
 from steadytrain.errors import UserError
 
-__all__ = ["TabularModel", "TargetEncoding", "TinyLM", "build_model"]
+__all__ = ["TabularModel", "TargetEncoding", "TinyLM", "build_model", "check_losses"]
 
 _FACTORY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
@@ -214,6 +214,15 @@ def tabular_from_dataset(
         bucket = kwargs.get("oov", "error") == "bucket"
         kwargs["target_stats"] = category_counts(categorical, label, num_classes, bucket)
     return TabularModel(numeric=numeric, categorical=categorical, label=label, num_classes=num_classes, **kwargs)
+
+
+def check_losses(out: Any, n: int) -> Tensor:
+    """``out`` if it keeps the model contract for a batch of ``n`` examples: per-example losses ``[n]`` or a
+    scalar mean; a UserError saying what the model returned otherwise (in training and evaluation alike)."""
+    if not isinstance(out, Tensor) or out.dim() > 1 or (out.dim() == 1 and len(out) != n):
+        shape = tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__
+        raise UserError(f"model returned {shape}: return per-example losses (shape [{n}]) or a scalar mean")
+    return out
 
 
 def build_model(name: str, kwargs: dict[str, Any], *, context: dict[str, Any]) -> nn.Module:
