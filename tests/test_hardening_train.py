@@ -21,7 +21,7 @@ import pytest
 
 from steadytrain.schedule import lr_multiplier
 from tests.cli_utils import assert_user_error
-from tests.train_utils import EXE, TINY, run_cli, sets, write_text_dataset
+from tests.train_utils import EXE, TINY, evals, run_cli, sets, write_text_dataset
 
 K = 4  # micro-batches per optimizer step with TINY on one rank (global 16 / micro 4)
 BATCH = [x for x in TINY if not x.startswith("model.")]
@@ -164,6 +164,28 @@ def test_ctrl_c_writes_a_checkpoint_at_the_step_boundary_and_resume_continues_ex
     assert resumed.returncode == 0, resumed.stderr
     straight = _straight(tmp_path, model_dir, data, 8, "checkpoint.every_steps=100")
     assert [(r["step"], r["loss"]) for r in _rows(run)] == [(r["step"], r["loss"]) for r in straight]
+
+
+def test_ctrl_c_on_an_evaluation_step_still_evaluates_it(tmp_path, model_dir, data):
+    # Ctrl-C during step 5, which evaluates: the evaluation of step 5 runs before the stop is honoured
+    # (a resume starts at step 6 and would never owe it), so the resumed run's evaluations are a straight run's.
+    items = ["run.max_steps=8", "checkpoint.every_steps=100", "eval.holdout_shards=1", "eval.every_steps=5"]
+    run = tmp_path / "run"
+    proc = _start(model_dir, run, data, *items, pause=_pause(tmp_path, 5))
+    _wait_for(tmp_path / "reached-0", proc)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.3)
+    (tmp_path / "go").touch()
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert [r["step"] for r in evals(run)] == [5]
+    resumed = run_cli("train", "--resume", str(run), PYTHONPATH=str(model_dir))
+    assert resumed.returncode == 0, resumed.stderr
+    straight = tmp_path / "straight"
+    done = run_cli("train", "--run-dir", str(straight), *_args(data, *items), PYTHONPATH=str(model_dir))
+    assert done.returncode == 0, done.stderr
+    assert [(r["step"], r["val_loss"]) for r in evals(run)] == [(r["step"], r["val_loss"]) for r in evals(straight)]
+    assert [r["step"] for r in evals(straight)] == [5, 8]
 
 
 def test_a_second_ctrl_c_aborts_at_once_without_a_checkpoint(tmp_path, model_dir, data):

@@ -141,6 +141,17 @@ def test_the_validation_loss_is_a_hand_written_evaluation_of_the_checkpoint(tmp_
     proc = run_cli("eval", str(run), "--step", "2", "--json")
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout) == {k: rows[2][k] for k in ("step", "val_loss", "val_items")}
+    # plan.json without the held-out list (or without plan.json): the same draw from run.seed, never every shard
+    for damaged in ({k: v for k, v in plan.items() if k != "eval_shards"}, plan | {"eval_shards": None}, None):
+        if damaged is None:
+            (run / "plan.json").unlink()
+        else:
+            (run / "plan.json").write_text(json.dumps(damaged))
+        again = run_cli("eval", str(run), "--step", "2", "--json")
+        assert again.returncode == 0, again.stderr
+        assert json.loads(again.stdout) == {k: rows[2][k] for k in ("step", "val_loss", "val_items")}
+    (run / "plan.json").write_text(json.dumps(plan | {"eval_shards": "0,1"}))
+    assert_user_error(run_cli("eval", str(run)), "plan.json", "eval_shards")
     summary = (run / "summary.md").read_text()
     best = min(rows.values(), key=lambda r: r["val_loss"])
     assert f"best validation loss | {best['val_loss']:.4g} at step {best['step']}" in summary
@@ -197,6 +208,37 @@ def test_early_stopping_ends_the_run_at_the_planted_plateau(tmp_path, data, othe
     summary = (run / "summary.md").read_text()
     assert "early stopping at step 12" in summary and "best validation loss | 3 at step 6" in summary
     assert sorted(p.name for p in (run / "checkpoints").glob("*.pt")) == ["step-00000006.pt", "step-00000012.pt"]
+    assert run_cli("report", str(run)).returncode == 0  # a later report keeps the reason (the evaluation's row)
+    assert "early stopping at step 12" in (run / "summary.md").read_text()
+
+
+def test_an_early_stopped_run_resumes_only_with_more_patience(tmp_path, data, other, models):
+    run, env = tmp_path / "run", _plateau_env(tmp_path, models)
+    train(run, *_plateau_items(data, 20), f"eval.data={other}", **env)  # stops at 12 (see the test above)
+
+    def files() -> dict[str, bytes]:  # but the lock's owner note
+        return {p.name: p.read_bytes() for p in run.iterdir() if p.is_file() and not p.name.startswith(".lock")}
+
+    before = files()
+    refused = run_cli("train", "--resume", str(run), *sets("run.max_steps=30"), **env)
+    assert_user_error(refused, "ended by early stopping at step 12", "eval.patience=4")
+    assert files() == before  # nothing written
+    more = run_cli("train", "--resume", str(run), *sets("eval.patience=5"), **env)
+    assert more.returncode == 0, more.stderr[-3000:]
+    # evaluations 7.. of the plateau: 3.0 at 14 (a fourth miss), 2.0 at 16 (the best), then 2.0 to the end
+    assert [(r["step"], r["val_loss"]) for r in evals(run)][6:] == [(14, 3.0), (16, 2.0), (18, 2.0), (20, 2.0)]
+    assert "best validation loss | 2 at step 16" in (run / "summary.md").read_text()
+
+
+def test_a_resume_cannot_change_which_examples_are_evaluated(tmp_path, data, other, models):
+    run, env = tmp_path / "run", _plateau_env(tmp_path, models)
+    train(run, *_plateau_items(data, 4), f"eval.data={other}", **env)
+    for item in ("eval.max_batches=1", f"eval.data={data}", "eval.micro_batch_size=8"):
+        refused = run_cli("train", "--resume", str(run), *sets("run.max_steps=6", item), **env)
+        assert_user_error(refused, item.partition("=")[0], "cannot change", "best validation loss")
+    kept = run_cli("train", "--resume", str(run), *sets("run.max_steps=6", "batch.micro_batch_size=2"), **env)
+    assert kept.returncode == 0, kept.stderr[-3000:]  # the training micro batch may change: eval's is pinned
+    assert [r["val_items"] for r in evals(run)] == [37, 37, 37]
 
 
 def test_resume_keeps_the_evaluation_schedule_and_the_best_value(tmp_path, data, other, models):
@@ -230,14 +272,15 @@ def test_a_validation_set_the_run_cannot_use_is_refused_before_anything_is_writt
     cases = [
         (["eval.data=" + str(wrong)], "does not fit the training data"),
         (["eval.data=" + str(empty)], "no examples"),
-        (["eval.data=" + str(tmp_path / "missing")], "missing"),
+        (["eval.data=" + str(tmp_path / "missing")], "eval.data: "),
+        (["eval.holdout_shards=true"], "eval.holdout_shards", "not a number"),
         (["eval.holdout_shards=8"], "leaves none to train on"),
         ([f"eval.data={wrong}", "eval.holdout_shards=1"], "not both"),
         (["eval.patience=2"], "no validation set"),
     ]
-    for extra, word in cases:
+    for extra, *words in cases:
         proc = run_cli("train", "--run-dir", str(tmp_path / "run"), *sets(*base, *extra))
-        assert_user_error(proc, word)
+        assert_user_error(proc, *words)
         assert not (tmp_path / "run").exists(), extra
 
 

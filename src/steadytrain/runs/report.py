@@ -142,6 +142,14 @@ def _stopped_line(rec: RunRecord, stopped: str | None, steps: int) -> str | None
     total = rec.plan.get("total_steps")
     if stopped:
         return f"stopped early: {md(stopped)}"
+    if rec.evals and rec.evals[-1].get("early_stop"):  # the row of the evaluation that ended the run
+        patience = (rec.config.get("eval") or {}).get("patience")
+        best = plots.best_eval(rec)
+        since = f"; best {_fmt(best['val_loss'])} at step {best['step']}" if best else ""
+        return (
+            f"stopped early: early stopping at step {rec.evals[-1]['step']}: the validation loss had not improved "
+            f"for {_value(patience)} evaluation(s) (eval.patience={_value(patience)}{since})"
+        )
     if total and steps < total:
         return f"stopped early: {steps} of {total} planned optimizer steps ran"
     return None

@@ -8,10 +8,11 @@ open section: keys other than ``name`` are the model factory's keyword arguments
 from __future__ import annotations
 
 import copy
+import types
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from steadytrain._io import brief, load_yaml, parse_yaml
 from steadytrain.errors import UserError
@@ -25,8 +26,27 @@ DEFAULT_EVAL = {"holdout_shards": 2, "every_steps": 25, "max_batches": 32}
 their first 32 micro-batches (512 sequences: a fraction of a second)."""
 
 
+def _numeric(annotation: Any) -> bool:
+    """Whether a field takes a number and not a flag (``int``, ``float``, optional or not)."""
+    if get_origin(annotation) is Annotated:
+        return _numeric(get_args(annotation)[0])
+    if get_origin(annotation) in (Union, types.UnionType):
+        args = get_args(annotation)
+        return bool not in args and any(_numeric(a) for a in args)
+    return annotation in (int, float)
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_flag_for_number(cls, value: Any, info: ValidationInfo) -> Any:
+        """``true``/``false`` where a number goes is a mistake, not 1 or 0 (pydantic would take it)."""
+        field = cls.model_fields.get(info.field_name or "")
+        if isinstance(value, bool) and field is not None and _numeric(field.annotation):
+            raise ValueError(f"{str(value).lower()} is a flag, not a number: give a number")
+        return value
 
 
 class ModelConfig(BaseModel):

@@ -13,15 +13,23 @@ from typing import Any
 
 import torch
 
-from steadytrain._io import load_json
+from steadytrain._io import brief, load_json
 from steadytrain.errors import UserError
 from steadytrain.train.checkpoint import apply_model_state, list_checkpoints, load_checkpoint
 from steadytrain.train.config import TrainConfig, load_config
 from steadytrain.train.distributed import DistInfo, init_distributed, teardown, wrap_model
 from steadytrain.train.evaluate import evaluate
 from steadytrain.train.models import build_model
-from steadytrain.train.rundir import open_run_dir
-from steadytrain.train.setup import build_dataset, build_evalset, data_path, model_context, resolve_plan
+from steadytrain.train.rundir import RunDir, open_run_dir
+from steadytrain.train.runschema import check_plan
+from steadytrain.train.setup import (
+    build_dataset,
+    build_evalset,
+    data_path,
+    eval_shards,
+    model_context,
+    resolve_plan,
+)
 
 __all__ = ["evaluate_run"]
 
@@ -38,10 +46,22 @@ def _checkpoint(ckpt_dir: Path, step: int | None) -> Path:
     return found[step]
 
 
-def _evalset(cfg: TrainConfig, run_plan: dict[str, Any], info: DistInfo, data: Path | None) -> Any:
+def _held_out(cfg: TrainConfig, run: RunDir, path: Path) -> list[int] | None:
+    """The shards the run held out: ``plan.json``'s list, or the same draw from ``run.seed`` where the plan
+    does not record it (never None for a holdout run: that would evaluate on training shards too)."""
+    if not cfg.eval.holdout_shards:
+        return None
+    plan = load_json(run.plan, what="batch plan") if run.plan.exists() else {}
+    if not isinstance(plan, dict):
+        raise UserError(f"{run.plan}: {brief(plan)} is not a batch plan (a JSON object): the run directory is damaged")
+    saved = check_plan(plan, str(run.plan)).get("eval_shards")
+    return saved if saved is not None else eval_shards(cfg, path)
+
+
+def _evalset(cfg: TrainConfig, run: RunDir, info: DistInfo, data: Path | None) -> Any:
     """The validation set the run used (its held-out shards or ``eval.data``), or ``data`` in its place."""
     path = data_path(cfg)
-    held_out = run_plan.get("eval_shards") if cfg.eval.holdout_shards else None
+    held_out = _held_out(cfg, run, path)
     k = resolve_plan(cfg, info.world_size, None).accumulation_steps
     training = build_dataset(cfg, path, info, k, held_out)
     if data is not None:
@@ -60,11 +80,10 @@ def evaluate_run(run_dir: str | Path, *, step: int | None = None, data: str | Pa
     """
     run = open_run_dir(Path(run_dir))
     cfg = load_config(run.config)
-    run_plan = load_json(run.plan, what="batch plan") if run.plan.exists() else {}
     path = _checkpoint(run.checkpoints, step)
     info = init_distributed(cfg.distributed.backend)
     try:
-        evalset = _evalset(cfg, run_plan if isinstance(run_plan, dict) else {}, info, Path(data) if data else None)
+        evalset = _evalset(cfg, run, info, Path(data) if data else None)
         state = load_checkpoint(path)
         torch.manual_seed(cfg.run.seed)
         model = build_model(cfg.model.name, cfg.model.kwargs(), context=model_context(cfg, data_path(cfg)))

@@ -134,6 +134,15 @@ class Validation:
             )
         return improved, None
 
+    def ended(self, step: int) -> str | None:
+        """Why a run resumed at ``step`` with this state has already ended by early stopping (None: it has not)."""
+        if self.patience is None or self.bad < self.patience:
+            return None
+        return (
+            f"the run ended by early stopping at step {step} ({self.bad} evaluation(s) without improvement, "
+            f"eval.patience={self.patience}); to train on, raise it: --set eval.patience={self.bad + 1} or more"
+        )
+
     def state_dict(self) -> dict[str, Any]:
         return {"best_loss": self.best_loss, "best_step": self.best_step, "bad": self.bad}
 

@@ -119,6 +119,8 @@ def _resume(job: Job) -> None:
     job.elapsed_before = float(state.get("elapsed_s", 0.0))
     if job.validation is not None and state.get("validation"):
         job.validation.load_state_dict(state["validation"])
+        if ended := job.validation.ended(job.step):  # nothing written yet: the run stays as it was
+            raise UserError(f"--resume {job.run.path}: {ended}")
     if job.info.is_main:
         runfiles.truncate_logs(job.run, job.step)
         runfiles.record_resume(job, path.name)
@@ -236,9 +238,10 @@ def _after_step(job: Job, result: Any, loss: torch.Tensor) -> str | None:
     cfg = job.cfg
     if job.step % cfg.run.log_every == 0:
         job.metrics.flush()
-    if job.stop is not None and job.stop.agreed():
-        return f"interrupted by {job.stop.name} at step {job.step}"  # the checkpoint follows (in _run)
+    # an evaluation due at this step runs before a stop is honoured: a resume starts after this step
     best = _validate(job) if job.validation is not None and job.validation.due(job.step, _last_step(job)) else False
+    if job.stop is not None and job.stop.agreed() and not job.ended:
+        return f"interrupted by {job.stop.name} at step {job.step}"  # the checkpoint follows (in _run)
     if (job.step % cfg.checkpoint.every_steps == 0 or best) and job.step < _last_step(job) and not job.ended:
         _checkpoint(job)
     if job.ended:
@@ -260,7 +263,7 @@ def _validate(job: Job) -> bool:
     """Evaluate after this step (every rank), write its row; whether a checkpoint must keep it as the best."""
     result = evaluate(job.model, job.validation.evalset, job.info, precision=job.cfg.precision)
     improved, stop = job.validation.record(result, job.step)
-    job.metrics.add_eval(result.row(job.step))
+    job.metrics.add_eval(result.row(job.step) | ({"early_stop": True} if stop else {}))  # the reason, for report
     if stop is not None and job.info.is_main:
         log.info("%s", stop)
     job.ended = stop

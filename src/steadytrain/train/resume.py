@@ -30,6 +30,9 @@ _REFUSED = {
     "run.name": "a resumed run stays in its own directory",
     "run.dir": "a resumed run stays in its own directory",
 }
+_SAME_VALIDATION = ("eval.data", "eval.max_batches", "eval.micro_batch_size")
+"""What decides which validation examples an evaluation counts: fixed once a run has evaluated, since the
+best loss so far (early stopping, ``checkpoint.keep_best``) must compare like with like."""
 
 
 def config_changes(saved: dict[str, Any], new: dict[str, Any]) -> dict[str, list[Any]]:
@@ -47,15 +50,29 @@ def config_changes(saved: dict[str, Any], new: dict[str, Any]) -> dict[str, list
     return {k: [a.get(k), b.get(k)] for k in sorted(a.keys() | b.keys()) if plain(a.get(k)) != plain(b.get(k))}
 
 
+def _why_refused(key: str, old: Any, new: Any, evaluated: bool) -> str | None:
+    """Why a resume cannot change ``key`` from ``old`` to ``new`` (None: it can)."""
+    why = next((w for prefix, w in _REFUSED.items() if key == prefix or key.startswith(prefix)), None)
+    if why is None and key == "precision" and "fp16" in (old, new):
+        why = "fp16 keeps a loss-scaler state that the other precisions do not have"
+    if why is None and evaluated and key in _SAME_VALIDATION:
+        why = "the best validation loss so far was measured on the examples it selects (compare like with like)"
+    return why
+
+
 def refuse_changes(
-    changes: dict[str, list[Any]], saved_plan: dict[str, Any], plan: dict[str, Any], step: int, run: str
+    changes: dict[str, list[Any]],
+    saved_plan: dict[str, Any],
+    plan: dict[str, Any],
+    step: int,
+    run: str,
+    *,
+    evaluated: bool = False,
 ) -> None:
-    """A UserError for the first change a resume from optimizer ``step`` cannot honour."""
+    """A UserError for the first change a resume from optimizer ``step`` cannot honour (``evaluated``: the
+    saved run had a validation set)."""
     for key, (old, new) in changes.items():
-        why = next((w for prefix, w in _REFUSED.items() if key == prefix or key.startswith(prefix)), None)
-        if why is None and key == "precision" and "fp16" in (old, new):
-            why = "fp16 keeps a loss-scaler state that the other precisions do not have"
-        if why:
+        if why := _why_refused(key, old, new, evaluated):
             keep = json.dumps(old) if old is None or isinstance(old, bool | int | float) else brief(old)
             raise UserError(
                 f"--resume {run}: {key} cannot change ({brief(old)} -> {brief(new)}) because {why}; "

@@ -120,7 +120,9 @@ def _resume_changes(cfg: TrainConfig, plan: RunPlan, run: RunDir) -> dict[str, l
         raise UserError(f"{run.path}: config.yaml or plan.json is not a mapping: the run directory is damaged")
     check_run_files(run, saved_plan)
     changes = config_changes(saved, resolved_config(cfg))
-    refuse_changes(changes, saved_plan, plan.to_dict(), found[-1][0], str(run.path))
+    saved_eval = saved.get("eval") if isinstance(saved.get("eval"), dict) else {}
+    evaluated = saved_eval.get("data") is not None or saved_eval.get("holdout_shards") is not None
+    refuse_changes(changes, saved_plan, plan.to_dict(), found[-1][0], str(run.path), evaluated=evaluated)
     return changes
 
 

@@ -95,6 +95,7 @@ EVAL: dict[str, tuple[str, bool]] = {
     "val_loss": ("number", True),
     "val_items": ("count", False),
     "val_nonfinite": ("count", True),
+    "early_stop": ("flag", True),
 }
 PLAN: dict[str, tuple[str, bool]] = {
     "micro_batch_size": ("positive", False),
@@ -123,6 +124,7 @@ CONFIG: dict[str, tuple[str, bool]] = {
     "run.dir": ("path", False),
     "run.seed": ("seed", True),
     "run.deterministic": ("flag", False),
+    "eval.patience": ("positive", True),
 }
 SECTIONS = ("model", "data", "batch", "optim", "clip", "distributed", "nonfinite", "env", "checkpoint", "run")
 DATA: dict[str, tuple[str, bool]] = {

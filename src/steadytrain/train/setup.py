@@ -145,19 +145,24 @@ def build_evalset(
     the training data's columns (a DatasetError: one line, before any step)."""
     if not cfg.eval.enabled:
         return None
-    b = cfg.eval.micro_batch_size or cfg.batch.micro_batch_size
-    evalset = EvalSet(
-        Path(cfg.eval.data) if cfg.eval.data is not None else path,
-        shards=held_out,
-        rank=info.rank,
-        world_size=info.world_size,
-        batch_size=b,
-        max_examples=cfg.eval.max_batches * b if cfg.eval.max_batches else None,
-        schema=load_schema(cfg),
-        policy=cfg.data.policy,
-    )
-    if training is not None:
-        evalset.check_fits(training)
+    b, schema = cfg.eval.micro_batch_size or cfg.batch.micro_batch_size, load_schema(cfg)
+    try:
+        evalset = EvalSet(
+            Path(cfg.eval.data) if cfg.eval.data is not None else path,
+            shards=held_out,
+            rank=info.rank,
+            world_size=info.world_size,
+            batch_size=b,
+            max_examples=cfg.eval.max_batches * b if cfg.eval.max_batches else None,
+            schema=schema,
+            policy=cfg.data.policy,
+        )
+        if training is not None:
+            evalset.check_fits(training)
+    except UserError as err:
+        if cfg.eval.data is None:
+            raise
+        raise UserError(f"eval.data: {err}") from None  # which key to fix
     return evalset
 
 
