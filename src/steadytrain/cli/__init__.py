@@ -9,7 +9,7 @@ import click
 from steadytrain._io import one_line
 from steadytrain.cli.data import data
 from steadytrain.cli.env import env
-from steadytrain.cli.evaluate import eval_cmd
+from steadytrain.cli.evaluate import eval_cmd, export_cmd
 from steadytrain.cli.nan import demo, nan
 from steadytrain.cli.plan import plan
 from steadytrain.cli.runs import compare, report, repro, sweep
@@ -25,6 +25,7 @@ def cli() -> None:
 
 cli.add_command(train)
 cli.add_command(eval_cmd)
+cli.add_command(export_cmd)
 cli.add_command(config_group)
 cli.add_command(plan)
 cli.add_command(env)

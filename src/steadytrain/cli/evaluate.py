@@ -1,4 +1,5 @@
-"""``steadytrain eval RUN``: parse, call :func:`steadytrain.train.evalrun.evaluate_run`, print (rank 0)."""
+"""``steadytrain eval RUN`` and ``steadytrain export RUN``: parse, call the library (:mod:`steadytrain.train.evalrun`,
+:mod:`steadytrain.train.export`), print (rank 0)."""
 
 from __future__ import annotations
 
@@ -32,3 +33,16 @@ def eval_cmd(run: str, step: int | None, data: str | None, as_json: bool) -> Non
         click.echo(f"step {row['step']}: val_loss {loss} over {row['val_items']} examples ({where})")
     if row["val_loss"] is None:
         raise click.exceptions.Exit(1)
+
+
+@click.command("export")
+@click.argument("run", type=click.Path(file_okay=False))
+@click.option("--step", type=click.IntRange(1), default=None, help="The checkpoint's step (default: the latest).")
+@click.option("--out", required=True, type=click.Path(dir_okay=False), help="The file to write (FILE.safetensors).")
+def export_cmd(run: str, step: int | None, out: str) -> None:
+    """RUN's model as one safetensors file: load it with load_state_dict(strict=True) into the model."""
+    from steadytrain._text import one_line
+    from steadytrain.train.export import export_model
+
+    done = export_model(Path(run), Path(out), step=step)
+    click.echo(f"step {done['step']}: {done['tensors']} tensors ({done['bytes']} bytes) -> {one_line(done['out'])}")

@@ -73,7 +73,7 @@ def report_cmd(run: str, as_json: bool) -> None:
 @nan.command("hunt")
 @click.argument("run", type=click.Path(file_okay=False))
 @click.option("--shard", type=click.IntRange(0), default=None, help="The shard to replay (from `nan report`).")
-@click.option("--checkpoint", type=click.Path(dir_okay=False), default=None, help="Weights to use.")
+@click.option("--checkpoint", type=click.Path(), default=None, help="The checkpoint whose weights to use.")
 @click.option("--step", type=click.IntRange(1), default=None, help="Replay this optimizer step's global batch.")
 @click.option("--json", "as_json", is_flag=True, help="Print the findings as JSON.")
 def hunt_cmd(run: str, shard: int | None, checkpoint: str | None, step: int | None, as_json: bool) -> None:

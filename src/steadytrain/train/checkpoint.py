@@ -1,12 +1,15 @@
-"""Checkpoints: one file per optimizer step, written atomically, loaded without unpickling code.
+"""Checkpoints: which a run has, what one holds, and restoring one into a (possibly sharded) model.
 
-The model and optimizer states come from ``torch.distributed.checkpoint.state_dict`` as *full*
-state dicts (plain, DDP and FSDP2 models alike: FSDP2 gathers the shards), so a checkpoint loads
-on any world size. Rank 0 writes ``checkpoints/step-XXXXXXXX.pt`` aside, fsyncs and renames it: a
-kill -9 mid-write leaves the previous checkpoint the latest one. Loading uses
-``torch.load(weights_only=True)``: tensors and plain containers only, never arbitrary objects.
-Gathering the full state on rank 0 suits models that fit one host's memory; beyond that, sharded
-``torch.distributed.checkpoint.save`` is the tool (not used here: its metadata file is a pickle).
+A checkpoint is a directory ``checkpoints/step-XXXXXXXX/`` written by
+:class:`~steadytrain.train.ckptsave.CheckpointWriter`: every rank's tensors in safetensors files and
+the rest as JSON (:mod:`steadytrain.train.ckptfiles`); nothing in it is unpickled. :func:`restore`
+loads it through ``torch.distributed.checkpoint`` into the live objects, each rank reading only the
+slices its own shards need, on any world size and either strategy (DCP reshards). :func:`load_checkpoint`
+assembles the full model on the CPU, one tensor at a time (``eval`` on one process, ``replay``, ``export``).
+
+The single-file checkpoints of earlier versions (``checkpoints/step-XXXXXXXX.pt``, a full state
+dict) are still listed, resumed and exported: ``torch.load(weights_only=True)`` reads them (tensors
+and plain containers only, never arbitrary objects).
 """
 
 from __future__ import annotations
@@ -19,31 +22,48 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 
-from steadytrain._io import write_atomic
 from steadytrain._text import error_text
 from steadytrain.errors import UserError
+from steadytrain.train.ckptfiles import full_tensors, join_state, read_state, split_state, tensor_shapes
+
+# DCP warns that a process without a process group saves/loads alone: that is the intent here (no_dist)
+warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
 
 __all__ = [
-    "apply_checkpoint",
-    "apply_model_state",
+    "checkpoint_at",
+    "is_legacy",
     "latest_checkpoint",
     "list_checkpoints",
     "load_checkpoint",
-    "save_checkpoint",
+    "restore",
 ]
 
-_NAME = re.compile(r"^step-(\d{8})\.pt$")
-_FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+_NAME = re.compile(r"^step-(\d{8})(\.pt)?$")
+_TRAIN_KEYS = ("elapsed_s", "exposure", "scheduler", "accumulator", "data", "scaler", "validation")
 
 
 def list_checkpoints(ckpt_dir: Path) -> list[tuple[int, Path]]:
-    """``(step, path)`` of every complete checkpoint, oldest first (temporary files are not listed)."""
+    """``(step, path)`` of every complete checkpoint, oldest first (a save in progress is not listed)."""
     if not ckpt_dir.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in ckpt_dir.iterdir() if (m := _NAME.match(p.name))]
-    return sorted(found)
+    found: dict[int, Path] = {}
+    for p in ckpt_dir.iterdir():
+        if not (m := _NAME.match(p.name)):
+            continue
+        step = int(m.group(1))
+        if m.group(2) and p.is_file():
+            found.setdefault(step, p)  # a directory of the same step (written later) wins
+        elif not m.group(2) and (p / "state.json").is_file():
+            found[step] = p
+    return sorted(found.items())
 
 
 def latest_checkpoint(ckpt_dir: Path, before_step: int | None = None) -> Path | None:
@@ -52,43 +72,32 @@ def latest_checkpoint(ckpt_dir: Path, before_step: int | None = None) -> Path | 
     return found[-1] if found else None
 
 
-def save_checkpoint(
-    ckpt_dir: Path,
-    step: int,
-    *,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    extra: dict[str, Any],
-    is_main: bool,
-    keep_last: int,
-    keep: frozenset[int] = frozenset(),
-) -> Path:
-    """Write the checkpoint of ``step`` (a collective under FSDP2: every rank calls it); keep the last
-    ``keep_last`` and those of the steps in ``keep`` (the best validation loss), remove the rest."""
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=_FULL)
-    path = ckpt_dir / f"step-{step:08d}.pt"
-    if is_main:
-        payload = {"step": step, "model": model_sd, "optimizer": optim_sd, **extra}
-        ckpt_dir.mkdir(parents=True, exist_ok=True)
-        write_atomic(path, lambda f: torch.save(payload, f))
-        for old_step, old in list_checkpoints(ckpt_dir)[:-keep_last]:
-            if old_step not in keep:
-                old.unlink(missing_ok=True)
-    return path
+def checkpoint_at(ckpt_dir: Path, step: int | None) -> Path:
+    """The checkpoint of ``step`` (None: the latest), or a UserError saying which steps there are."""
+    found = dict(list_checkpoints(ckpt_dir))
+    if not found:
+        raise UserError(f"{ckpt_dir}: the run has no checkpoint")
+    if step is None:
+        return found[max(found)]
+    if step not in found:
+        have = ", ".join(str(s) for s in sorted(found)[-10:])
+        raise UserError(f"--step {step}: the run has no checkpoint of that step (it keeps steps {have})")
+    return found[step]
+
+
+def is_legacy(path: Path) -> bool:
+    """A single-file ``.pt`` checkpoint of an earlier version."""
+    return Path(path).suffix == ".pt"
 
 
 def _older(path: Path) -> str:
     """How to fall back to the checkpoint before ``path``, when there is one."""
-    before = [p for _, p in list_checkpoints(path.parent) if p.name < path.name]
-    return f"; move it away to resume from {before[-1].name}" if before and _NAME.match(path.name) else ""
+    m = _NAME.match(path.name)
+    before = [p for s, p in list_checkpoints(path.parent) if m and s < int(m.group(1))]
+    return f"; move it away to resume from {before[-1].name}" if before else ""
 
 
-def load_checkpoint(path: str | Path) -> dict[str, Any]:
-    """A checkpoint's contents (tensors and plain containers only), or a UserError naming the file."""
-    path = Path(path)
-    if not path.is_file():
-        what = "not a regular file" if path.exists() else "no such checkpoint file"
-        raise UserError(f"{path}: {what} (a checkpoint is a checkpoints/step-NNNNNNNN.pt file)")
+def _load_legacy(path: Path) -> dict[str, Any]:
     try:
         with warnings.catch_warnings():  # torch's notes on the pickle protocol: the error below says it all
             warnings.simplefilter("ignore")
@@ -103,28 +112,88 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
         raise UserError(f"{path}: not a loadable steadytrain checkpoint ({why}){_older(path)}") from None
     if not isinstance(state, dict) or not {"step", "model", "optimizer"} <= set(state):
         raise UserError(f"{path}: not a steadytrain checkpoint (no step/model/optimizer)")
+    train = {k: state[k] for k in _TRAIN_KEYS if k in state} | {"step": state["step"]}
+    return state | {"train": train, "world_size": state.get("world_size")}
+
+
+def _check(path: Path) -> None:
+    if not path.exists():
+        raise UserError(f"{path}: no such checkpoint (a checkpoint is a checkpoints/step-NNNNNNNN directory)")
+
+
+def load_checkpoint(path: str | Path) -> dict[str, Any]:
+    """``{"step", "world_size", "train", "model"}`` of a checkpoint, the model's full tensors on the CPU
+    (a legacy file also gives ``optimizer`` and ``rng``); a UserError naming the file if it is not one."""
+    path = Path(path)
+    _check(path)
+    if path.is_file():
+        return _load_legacy(path)
+    try:
+        state = read_state(path)
+        model = {f"model/{k}": v for k, v in full_tensors(path, "model")}
+        full = join_state(state["model"], model)
+    except KeyError as err:
+        raise UserError(f"{path}: state.json names a tensor no file holds ({err}){_older(path)}") from None
+    except UserError as err:
+        raise UserError(f"{err}{_older(path)}") from None
+    return {"step": state["step"], "world_size": state["world_size"], "train": state["train"], "model": full}
+
+
+def _fits(path: Path, tensors: dict[str, torch.Tensor], prefixes: tuple[str, ...]) -> None:
+    """A UserError unless the checkpoint holds exactly ``tensors``' keys (under ``prefixes``), same shapes."""
+    saved = {k: v for k, v in tensor_shapes(path).items() if k.startswith(prefixes)}
+    missing, unexpected = sorted(set(tensors) - set(saved)), sorted(set(saved) - set(tensors))
+    wrong = [k for k in set(tensors) & set(saved) if tuple(tensors[k].shape) != saved[k][0]]
+    if missing or unexpected or wrong:
+        named = (("missing", missing), ("unexpected", unexpected), ("other shape", sorted(wrong)))
+        parts = [f"{what}: {', '.join(keys[:3])}" for what, keys in named if keys]
+        raise UserError(f"{path}: the checkpoint does not fit this model/optimizer ({'; '.join(parts)})")
+
+
+def restore(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, no_dist: bool) -> dict[str, Any]:
+    """Load a checkpoint into the (possibly DDP- or FSDP2-wrapped) model and optimizer (every rank calls
+    it); returns ``{"step", "world_size", "train", ...}``. Each rank reads only the slices it holds."""
+    path = Path(path)
+    _check(path)
+    if path.is_file():
+        state = _load_legacy(path)
+        _apply_full(state, model, optimizer)
+        return state
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    state = read_state(path)
+    if optimizer is not None:
+        model_sd, optim_sd = get_state_dict(model, optimizer)  # creates the optimizer's state to load into
+    else:
+        model_sd, optim_sd = get_model_state_dict(model), None
+    tensors: dict[str, torch.Tensor] = {}
+    split_state(model_sd, "model", tensors)
+    if optim_sd is not None:
+        split_state(optim_sd, "optimizer", tensors)
+    _fits(path, tensors, ("model/", "optimizer/") if optimizer is not None else ("model/",))
+    try:
+        dcp.load(tensors, storage_reader=HuggingFaceStorageReader(str(path)), no_dist=no_dist)
+        model_sd = join_state(state["model"], tensors)
+        if optimizer is None:
+            set_model_state_dict(model, model_sd)
+        else:
+            set_state_dict(
+                model, optimizer, model_state_dict=model_sd, optim_state_dict=join_state(state["optimizer"], tensors)
+            )
+    except (RuntimeError, KeyError, ValueError, TypeError, AssertionError) as err:
+        raise UserError(f"{path}: the checkpoint does not load into this model/optimizer: {error_text(err)}") from None
     return state
 
 
-def apply_model_state(state: dict[str, Any], model: nn.Module) -> None:
-    """Load a checkpoint's model weights alone into a (possibly DDP- or FSDP2-wrapped) model."""
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict
-
+def _apply_full(state: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+    """A legacy checkpoint's full state dicts into (possibly DDP- or FSDP2-wrapped) objects."""
+    full = StateDictOptions(full_state_dict=True)
     try:
-        set_model_state_dict(model, state["model"], options=StateDictOptions(full_state_dict=True))
-    except (RuntimeError, KeyError, ValueError, TypeError, AssertionError) as err:
-        raise UserError(f"checkpoint does not fit this model: {error_text(err)}") from None
-
-
-def apply_checkpoint(state: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Load the model and optimizer states into (possibly DDP- or FSDP2-wrapped) objects."""
-    try:
-        set_state_dict(
-            model,
-            optimizer,
-            model_state_dict=state["model"],
-            optim_state_dict=state["optimizer"],
-            options=StateDictOptions(full_state_dict=True),
-        )
+        if optimizer is None:
+            set_model_state_dict(model, state["model"], options=full)
+        else:
+            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                           options=full)  # fmt: skip
     except (RuntimeError, KeyError, ValueError, TypeError, AssertionError) as err:
         raise UserError(f"checkpoint does not fit this model/optimizer: {error_text(err)}") from None

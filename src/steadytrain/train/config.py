@@ -158,6 +158,9 @@ class CheckpointConfig(_Section):
     """Checkpoints kept; older ones are removed."""
     keep_best: bool = False
     """Also keep the checkpoint of the best validation loss (one is written at that step)."""
+    async_: bool = Field(default=True, alias="async")
+    """Write checkpoints in the background: the loop waits only for the copy of the state to host memory."""
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, use_attribute_docstrings=True)
 
 
 class EvalConfig(_Section):

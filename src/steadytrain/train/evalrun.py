@@ -15,7 +15,7 @@ import torch
 
 from steadytrain._io import brief, load_json
 from steadytrain.errors import UserError
-from steadytrain.train.checkpoint import apply_model_state, list_checkpoints, load_checkpoint
+from steadytrain.train.checkpoint import checkpoint_at, restore
 from steadytrain.train.config import TrainConfig, load_config
 from steadytrain.train.distributed import DistInfo, init_distributed, teardown, wrap_model
 from steadytrain.train.evaluate import evaluate
@@ -32,18 +32,6 @@ from steadytrain.train.setup import (
 )
 
 __all__ = ["evaluate_run"]
-
-
-def _checkpoint(ckpt_dir: Path, step: int | None) -> Path:
-    found = dict(list_checkpoints(ckpt_dir))
-    if not found:
-        raise UserError(f"{ckpt_dir}: the run has no checkpoint to evaluate")
-    if step is None:
-        return found[max(found)]
-    if step not in found:
-        have = ", ".join(str(s) for s in sorted(found)[-10:])
-        raise UserError(f"--step {step}: the run has no checkpoint of that step (it keeps steps {have})")
-    return found[step]
 
 
 def _held_out(cfg: TrainConfig, run: RunDir, path: Path) -> list[int] | None:
@@ -80,15 +68,14 @@ def evaluate_run(run_dir: str | Path, *, step: int | None = None, data: str | Pa
     """
     run = open_run_dir(Path(run_dir))
     cfg = load_config(run.config)
-    path = _checkpoint(run.checkpoints, step)
+    path = checkpoint_at(run.checkpoints, step)
     info = init_distributed(cfg.distributed.backend)
     try:
         evalset = _evalset(cfg, run, info, Path(data) if data else None)
-        state = load_checkpoint(path)
         torch.manual_seed(cfg.run.seed)
         model = build_model(cfg.model.name, cfg.model.kwargs(), context=model_context(cfg, data_path(cfg)))
         model = wrap_model(model, info, cfg.distributed.strategy)
-        apply_model_state(state, model)
+        state = restore(path, model, None, no_dist=info.backend is None)  # each rank reads what it holds
         result = evaluate(model, evalset, info, precision=cfg.precision)
         return result.row(int(state["step"])) | {"checkpoint": str(path)}
     finally:

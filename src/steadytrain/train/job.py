@@ -9,9 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
+from steadytrain.train.ckptsave import CheckpointWriter
 from steadytrain.train.config import TrainConfig
 from steadytrain.train.distributed import DistInfo
 from steadytrain.train.evaluate import Validation
@@ -19,6 +19,7 @@ from steadytrain.train.metrics import MetricsLog
 from steadytrain.train.rundir import RunDir
 from steadytrain.train.setup import RunPlan
 from steadytrain.train.stop import StopRequest
+from steadytrain.train.trainstate import TrainState
 
 __all__ = ["Interrupted", "Job", "TrainingStopped"]
 
@@ -55,13 +56,7 @@ class Job:
     acc: Any
     ds: Any
     scaler: Any
-    step: int = 0
-    epoch: int = 0
-    consecutive_skips: int = 0
-    exposure: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-    """Examples seen per shard id by this rank, on the host (rank 0 also holds the counts from before a resume)."""
     metrics: MetricsLog | None = None
-    elapsed_before: float = 0.0
     lr: float = 0.0
     step_loss: Any = None
     stop_after: int | None = None
@@ -72,5 +67,8 @@ class Job:
     """What a resume changed in the saved config (``{key: [saved, new]}``)."""
     stop: StopRequest | None = None
     validation: Validation | None = None
+    state: TrainState | None = None
+    """The step, epoch, counters and the stateful parts a checkpoint saves."""
+    writer: CheckpointWriter | None = None
     ended: str | None = None
     """Why a run that succeeded ended before its last planned step (early stopping)."""

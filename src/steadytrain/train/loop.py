@@ -8,19 +8,21 @@ rank 0 writes the run directory, every rank appends its own non-finite events.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from steadytrain.accumulate import NonFiniteGradientError
 from steadytrain.errors import UserError
 from steadytrain.train import runfiles
-from steadytrain.train.checkpoint import apply_checkpoint, latest_checkpoint, load_checkpoint, save_checkpoint
+from steadytrain.train.checkpoint import is_legacy, latest_checkpoint, restore
+from steadytrain.train.ckptfiles import read_rng, set_rng_state
+from steadytrain.train.ckptsave import CheckpointFailed, CheckpointWriter
 from steadytrain.train.config import TrainConfig
-from steadytrain.train.distributed import DistInfo, barrier, init_distributed, teardown, wrap_model
+from steadytrain.train.distributed import DistInfo, init_distributed, teardown, wrap_model
 from steadytrain.train.evaluate import Validation, evaluate, precision_context
 from steadytrain.train.job import Interrupted, Job, TrainingStopped
 from steadytrain.train.metrics import MetricsLog, Progress
@@ -37,6 +39,7 @@ from steadytrain.train.setup import (
     resolve_plan,
 )
 from steadytrain.train.stop import StopRequest
+from steadytrain.train.trainstate import TrainState
 
 __all__ = ["Interrupted", "TrainingStopped", "train"]
 
@@ -59,8 +62,10 @@ def train(
         with StopRequest(info) as job.stop:
             return _run(job)
     finally:
-        if job is not None and job.lock is not None:
-            job.lock.release()
+        if job is not None:
+            job.writer.close()  # a save still in flight (the run failed) completes first
+            if job.lock is not None:
+                job.lock.release()
         teardown(info)
 
 
@@ -85,6 +90,11 @@ def _build(cfg: TrainConfig, info: DistInfo, run_dir: Path | None, resume: Path 
     job = Job(cfg, info, plan, run, model, optimizer, acc, ds, scaler, lock=lock, changes=changes)
     if evalset is not None:
         job.validation = Validation(evalset, cfg.eval.every_steps, cfg.eval.patience)
+    job.state = TrainState(acc.scheduler, acc, ds, scaler, job.validation)
+    job.writer = CheckpointWriter(
+        run.checkpoints, info, use_async=cfg.checkpoint.async_, keep_last=cfg.checkpoint.keep_last
+    )
+    job.writer.guard(optimizer)  # an asynchronous save's copy of the state completes before the next update
     try:
         runfiles.record_environment(info, run, manifest, resume=resume is not None)
         if resume is not None:
@@ -100,43 +110,54 @@ def _resume(job: Job) -> None:
     path = latest_checkpoint(job.run.checkpoints)
     if path is None:
         raise UserError(f"{job.run.path}: no checkpoint to resume from (checkpoints/ is empty)")
-    state = load_checkpoint(path)
     configured = hyperparameters(job.optimizer)  # the config's settings, before the checkpoint's replace them
-    apply_checkpoint(state, job.model, job.optimizer)
-    job.acc.scheduler.load_state_dict(state["scheduler"])
+    saved = restore(path, job.model, job.optimizer, no_dist=job.info.backend is None)  # each rank its shards
+    job.state.load_state_dict(saved["train"], is_main=job.info.is_main)
     apply_hyperparameters(job.optimizer, job.acc.scheduler, configured)  # a new LR or schedule applies from here
-    job.acc.load_state_dict(state["accumulator"])  # taken at a step boundary: any K (world size) loads it
-    if job.scaler is not None and state.get("scaler"):
-        job.scaler.load_state_dict(state["scaler"])
-    job.ds.load_state_dict(state["data"])
-    torch.set_rng_state(state["rng"])
-    job.step, job.epoch = state["step"], state["data"]["epoch"]
-    if job.info.is_main:  # the checkpoint holds the global counts: one rank carries them on
-        saved = {int(k): int(v) for k, v in state.get("exposure", {}).items()}
-        job.exposure = np.zeros(max(saved, default=-1) + 1, dtype=np.int64)
-        for shard, count in saved.items():
-            job.exposure[shard] = count
-    job.elapsed_before = float(state.get("elapsed_s", 0.0))
-    if job.validation is not None and state.get("validation"):
-        job.validation.load_state_dict(state["validation"])
-        if ended := job.validation.ended(job.step):  # nothing written yet: the run stays as it was
-            raise UserError(f"--resume {job.run.path}: {ended}")
+    _restore_rng(job, path, saved)
+    if job.validation is not None and (ended := job.validation.ended(job.state.step)):
+        raise UserError(f"--resume {job.run.path}: {ended}")  # nothing written yet: the run stays as it was
     if job.info.is_main:
-        runfiles.truncate_logs(job.run, job.step)
+        runfiles.truncate_logs(job.run, job.state.step)
         runfiles.record_resume(job, path.name)
-        log.info("resumed %s at step %d from %s", job.run.path, job.step, path.name)
+        log.info("resumed %s at step %d from %s", job.run.path, job.state.step, path.name)
+
+
+def _restore_rng(job: Job, path: Path, saved: dict[str, Any]) -> None:
+    """Each rank's generator states as saved; on another world size (or from a single-file checkpoint of an
+    earlier version, which kept rank 0's torch CPU state alone) streams derived from the seed, said once."""
+    from steadytrain.env import seed_everything
+
+    info, step = job.info, job.state.step
+    if is_legacy(path):
+        torch.set_rng_state(saved["rng"])
+        if info.world_size > 1 and info.is_main:
+            log.warning("resume: %s keeps rank 0's torch CPU random state alone: every rank continues it", path.name)
+        return
+    rng = read_rng(path, info.rank) if saved["world_size"] == info.world_size else None
+    if rng is not None:
+        set_rng_state(rng, str(path / "rng"))
+        return
+    seed_everything((job.cfg.run.seed * 1_000_003 + step * 1_009 + info.rank) % 2**63, job.cfg.run.deterministic)
+    if info.is_main:
+        log.warning(
+            "resume: the checkpoint was saved on %s rank(s), this run has %d: each rank's random streams are "
+            "derived anew from run.seed, the step and the rank (random layers do not continue the saved streams)",
+            saved["world_size"],
+            info.world_size,
+        )
 
 
 def _run(job: Job) -> dict[str, Any]:
     total = job.plan.total_steps
-    progress = Progress(total, job.step) if job.info.is_main else None
+    progress = Progress(total, job.state.step) if job.info.is_main else None
     job.metrics = MetricsLog(
         job.run,
         job.info,
         items_per_step=job.plan.global_batch_size,
         max_grad_norm=job.cfg.clip.max_grad_norm,
         total_steps=total,
-        elapsed_before=job.elapsed_before,
+        elapsed_before=job.state.elapsed_before,
         progress=progress,
     )
     runfiles.log_start(job)
@@ -149,15 +170,19 @@ def _run(job: Job) -> dict[str, Any]:
         if progress is not None:
             progress.close()
     _checkpoint(job)
+    try:
+        job.writer.wait()  # the run ends when its last checkpoint is complete
+    except CheckpointFailed as err:
+        stopped = stopped or f"{err}: the run's last state is not saved"
     if stopped == job.ended:  # early stopping: a run that ends well
         stopped = None
     if not stopped and job.acc.skipped_steps and job.acc.optimizer_steps == 0:
-        stopped = f"no update was applied: every one of the {job.step} optimizer steps was non-finite and skipped"
+        stopped = f"no update was applied: every one of the {job.state.step} optimizer steps was non-finite and skipped"
     summary = runfiles.finish(job, stopped or job.ended)
     if not stopped:
         return summary
     if job.stop is not None and job.stop.stopped:
-        how = f"checkpoint written at step {job.step}; resume with: steadytrain train --resume {job.run.path}"
+        how = f"checkpoint written at step {job.state.step}; resume with: steadytrain train --resume {job.run.path}"
         err: TrainingStopped = Interrupted(f"{stopped}; {how}", job.stop.exit_code)
     else:
         err = TrainingStopped(stopped)
@@ -167,10 +192,10 @@ def _run(job: Job) -> dict[str, Any]:
 
 def _steps(job: Job) -> str | None:
     """Optimizer steps until the plan's total; returns why it stopped early, or None."""
-    total, resumed = _last_step(job), job.step > 0
-    while job.step < total:
+    total, resumed = _last_step(job), job.state.step > 0
+    while job.state.step < total:
         if not resumed:
-            job.ds.set_epoch(job.epoch)
+            job.ds.set_epoch(job.state.epoch)
         resumed = False
         for mb in job.ds:
             try:
@@ -180,20 +205,20 @@ def _steps(job: Job) -> str | None:
             if result is None:
                 continue
             reason = _after_step(job, result, loss)
-            if reason or job.step >= total:
+            if reason or job.state.step >= total:
                 return reason
-        job.epoch += 1
+        job.state.epoch += 1
     return None
 
 
 def _raised(job: Job) -> str:
     """Record the refused step that ``nonfinite.policy=raise`` stops at; the reason to stop."""
-    job.step += 1
+    job.state.step += 1
     event = job.acc.nonfinite_events[-1]
-    job.metrics.add(job.step, torch.tensor(float("nan")), job.lr, event.grad_norm, True)
+    job.metrics.add(job.state.step, torch.tensor(float("nan")), job.lr, event.grad_norm, True)
     runfiles.record_nonfinite(job, event)
     runfiles.write_exposure(job)  # a collective: every rank raised at this step
-    return f"non-finite step {job.step} (nonfinite.policy=raise): see {job.run.nonfinite}"
+    return f"non-finite step {job.state.step} (nonfinite.policy=raise): see {job.run.nonfinite}"
 
 
 def _micro_batch(job: Job, mb: dict[str, Any]) -> tuple[Any, torch.Tensor]:
@@ -207,7 +232,7 @@ def _micro_batch(job: Job, mb: dict[str, Any]) -> tuple[Any, torch.Tensor]:
     dev = job.info.device
     batch = {k: v.to(dev, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in mb.items()}
     shard, index = mb["shard"], mb["index"]
-    runfiles.count_exposure(job, shard)
+    job.state.count(shard)
     autocast = precision_context(dev, job.cfg.precision)
     job.lr = job.optimizer.param_groups[0]["lr"]
     tag: dict[str, Any] = {"shard": shard, "index": index, "losses": None}
@@ -225,31 +250,37 @@ def _micro_batch(job: Job, mb: dict[str, Any]) -> tuple[Any, torch.Tensor]:
 
 
 def _after_step(job: Job, result: Any, loss: torch.Tensor) -> str | None:
-    job.step += 1
-    job.metrics.add(job.step, loss, job.lr, result.grad_norm, not result.stepped)
+    job.state.step += 1
+    job.metrics.add(job.state.step, loss, job.lr, result.grad_norm, not result.stepped)
     if result.stepped:
-        job.consecutive_skips = 0
+        job.state.consecutive_skips = 0
     else:
-        job.consecutive_skips += 1
+        job.state.consecutive_skips += 1
         runfiles.record_nonfinite(job, job.acc.nonfinite_events[-1])
         # Every rank refused this step, so every rank joins this collective: the ledger's denominator
         # (examples seen per shard) is on disk with each event, and survives a kill.
         runfiles.write_exposure(job)
     cfg = job.cfg
-    if job.step % cfg.run.log_every == 0:
+    if job.state.step % cfg.run.log_every == 0:
         job.metrics.flush()
     # an evaluation due at this step runs before a stop is honoured: a resume starts after this step
-    best = _validate(job) if job.validation is not None and job.validation.due(job.step, _last_step(job)) else False
+    best = (
+        _validate(job) if job.validation is not None and job.validation.due(job.state.step, _last_step(job)) else False
+    )
     if job.stop is not None and job.stop.agreed() and not job.ended:
-        return f"interrupted by {job.stop.name} at step {job.step}"  # the checkpoint follows (in _run)
-    if (job.step % cfg.checkpoint.every_steps == 0 or best) and job.step < _last_step(job) and not job.ended:
+        return f"interrupted by {job.stop.name} at step {job.state.step}"  # the checkpoint follows (in _run)
+    if (
+        (job.state.step % cfg.checkpoint.every_steps == 0 or best)
+        and job.state.step < _last_step(job)
+        and not job.ended
+    ):
         _checkpoint(job)
     if job.ended:
         return job.ended
-    if job.consecutive_skips >= cfg.nonfinite.max_consecutive_skips:
+    if job.state.consecutive_skips >= cfg.nonfinite.max_consecutive_skips:
         return (
-            f"{job.consecutive_skips} consecutive non-finite steps (nonfinite.max_consecutive_skips="
-            f"{cfg.nonfinite.max_consecutive_skips}) at step {job.step}: see {job.run.nonfinite}"
+            f"{job.state.consecutive_skips} consecutive non-finite steps (nonfinite.max_consecutive_skips="
+            f"{cfg.nonfinite.max_consecutive_skips}) at step {job.state.step}: see {job.run.nonfinite}"
         )
     return None
 
@@ -262,8 +293,8 @@ def _last_step(job: Job) -> int:
 def _validate(job: Job) -> bool:
     """Evaluate after this step (every rank), write its row; whether a checkpoint must keep it as the best."""
     result = evaluate(job.model, job.validation.evalset, job.info, precision=job.cfg.precision)
-    improved, stop = job.validation.record(result, job.step)
-    job.metrics.add_eval(result.row(job.step) | ({"early_stop": True} if stop else {}))  # the reason, for report
+    improved, stop = job.validation.record(result, job.state.step)
+    job.metrics.add_eval(result.row(job.state.step) | ({"early_stop": True} if stop else {}))  # the reason, for report
     if stop is not None and job.info.is_main:
         log.info("%s", stop)
     job.ended = stop
@@ -271,30 +302,14 @@ def _validate(job: Job) -> bool:
 
 
 def _checkpoint(job: Job) -> None:
-    """Write a checkpoint of this step; the step's records reach the disk first (a checkpoint is never
-    newer than ``metrics.jsonl``: a kill after it loses no row a resume would not write again)."""
+    """Save this step (every rank its shards; in the background with ``checkpoint.async``); the step's records
+    reach the disk first (a checkpoint is never newer than ``metrics.jsonl``: a kill after it loses no row a
+    resume would not write again)."""
     if job.metrics is not None:
         job.metrics.flush()
     exposure = runfiles.write_exposure(job)
-    extra = {
-        "scheduler": job.acc.scheduler.state_dict(),
-        "scaler": job.scaler.state_dict() if job.scaler is not None else None,
-        "accumulator": job.acc.state_dict(),
-        "data": job.ds.state_dict(),
-        "rng": torch.get_rng_state(),
-        "elapsed_s": job.metrics.elapsed() if job.metrics else 0.0,
-        "exposure": {str(k): v for k, v in exposure.items()},
-        "world_size": job.info.world_size,
-        "validation": job.validation.state_dict() if job.validation is not None else None,
-    }
-    save_checkpoint(
-        job.run.checkpoints,
-        job.step,
-        model=job.model,
-        optimizer=job.optimizer,
-        extra=extra,
-        is_main=job.info.is_main,
-        keep_last=job.cfg.checkpoint.keep_last,
-        keep=frozenset({job.validation.best_step}) if job.validation and job.cfg.checkpoint.keep_best else frozenset(),
-    )
-    barrier(job.info)
+    elapsed = job.metrics.elapsed() if job.metrics else 0.0
+    train = job.state.state_dict(elapsed_s=elapsed, exposure=exposure) if job.info.is_main else {}
+    best = job.validation.best_step if job.validation and job.cfg.checkpoint.keep_best else None
+    with contextlib.suppress(CheckpointFailed):  # logged with its step; the previous one stays the latest
+        job.writer.save(job.state.step, job.model, job.optimizer, train, frozenset() if best is None else {best})

@@ -12,7 +12,6 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -201,14 +200,14 @@ def record_resume(job: Job, checkpoint: str) -> None:
     """Rank 0: ``resumes.jsonl`` gets this resume; ``config.yaml`` and ``plan.json`` the values now in force."""
     from steadytrain.train.resume import record_resume as append
 
-    append(job.run, step=job.step, world_size=job.info.world_size, checkpoint=checkpoint, changes=job.changes)
+    append(job.run, step=job.state.step, world_size=job.info.world_size, checkpoint=checkpoint, changes=job.changes)
     saved = load_json(job.run.plan, what="batch plan") if job.run.plan.exists() else {}
     held_out = job.validation.evalset.shard_ids if job.validation and job.cfg.eval.holdout_shards else None
     plan = {**job.plan.to_dict(), "data": saved.get("data"), "eval_shards": held_out}
     if job.changes:
         job.run.write_config(resolved_config(job.cfg))
         for key, (old, new) in job.changes.items():
-            log.warning("resume: %s changed from %r to %r (applied from step %d)", key, old, new, job.step + 1)
+            log.warning("resume: %s changed from %r to %r (applied from step %d)", key, old, new, job.state.step + 1)
     if saved != plan:
         job.run.write_json(job.run.plan, plan)
 
@@ -242,33 +241,13 @@ def record_nonfinite(job: Job, event: Any) -> None:
     """Append this rank's record of a refused step to the ledger (one write and fsync: survives a kill)."""
     from steadytrain.diagnose.ledger import append_event
 
-    append_event(job.run.nonfinite, event, job.step)
-    log.warning("step %d skipped on rank %d: %s", job.step, job.info.rank, event.message(job.step))
-
-
-def count_exposure(job: Job, shard: torch.Tensor) -> None:
-    """Add a micro-batch's examples to this rank's per-shard counts (host tensors: no device sync)."""
-    counts = np.bincount(shard.numpy().reshape(-1), minlength=len(job.exposure))  # NumPy: no torch op overhead
-    if len(counts) > len(job.exposure):
-        job.exposure = np.concatenate([job.exposure, np.zeros(len(counts) - len(job.exposure), dtype=np.int64)])
-    job.exposure += counts
-
-
-def global_exposure(job: Job) -> dict[int, int]:
-    """Examples seen per shard over all ranks (a collective: every rank calls it)."""
-    size = max(max(job.ds.shard_ids, default=-1) + 1, len(job.exposure))
-    counts = torch.zeros(size, dtype=torch.int64)
-    counts[: len(job.exposure)] = torch.from_numpy(job.exposure)
-    if job.info.backend is not None:
-        on = counts.to(job.info.device)  # NCCL reduces device tensors only
-        dist.all_reduce(on)
-        counts = on.cpu()
-    return {s: int(n) for s, n in enumerate(counts.tolist()) if n}
+    append_event(job.run.nonfinite, event, job.state.step)
+    log.warning("step %d skipped on rank %d: %s", job.state.step, job.info.rank, event.message(job.state.step))
 
 
 def write_exposure(job: Job) -> dict[int, int]:
-    """:func:`global_exposure`, written by rank 0 to ``exposure.json`` (a collective)."""
-    exposure = global_exposure(job)
+    """Examples seen per shard over all ranks, written by rank 0 to ``exposure.json`` (a collective)."""
+    exposure = job.state.global_exposure(job.info, job.ds.shard_ids)
     if job.info.is_main:
         job.run.write_json(job.run.exposure, {str(k): v for k, v in sorted(exposure.items())})
     return exposure
@@ -291,7 +270,7 @@ def finish(job: Job, stopped: str | None) -> dict[str, Any]:
     last = job.metrics.last if job.metrics else {}
     summary = {
         "run_dir": str(job.run.path),
-        "steps": job.step,
+        "steps": job.state.step,
         "skipped_steps": job.acc.skipped_steps,
         "final_loss": last.get("loss"),
         "elapsed_s": round(job.metrics.elapsed(), 1) if job.metrics else 0.0,
@@ -304,7 +283,7 @@ def finish(job: Job, stopped: str | None) -> dict[str, Any]:
             "",
             f"- effective batch {p.global_batch_size} = micro {p.micro_batch_size} x accumulation "
             f"{p.accumulation_steps} x world {p.world_size}; peak LR {p.lr:.4g} ({p.scaling_rule} rule)",
-            f"- optimizer steps {job.step} of {p.total_steps}, skipped {job.acc.skipped_steps}",
+            f"- optimizer steps {job.state.step} of {p.total_steps}, skipped {job.acc.skipped_steps}",
             f"- final loss {summary['final_loss']}, wall time {summary['elapsed_s']} s",
         ]
         if stopped:
@@ -317,7 +296,7 @@ def finish(job: Job, stopped: str | None) -> dict[str, Any]:
         log.info(
             "%s: %d steps (%d skipped), final loss %s, %.1f s; run directory %s",
             "stopped" if stopped else "done",
-            job.step,
+            job.state.step,
             job.acc.skipped_steps,
             summary["final_loss"],
             summary["elapsed_s"],

@@ -1,0 +1,205 @@
+"""The files of one checkpoint directory, read and written without unpickling anything.
+
+``checkpoints/step-XXXXXXXX/`` holds:
+
+- ``*.safetensors``: the tensors, each rank its own shards (written by ``torch.distributed.checkpoint``
+  with its Hugging Face safetensors storage; a DTensor shard records its offsets in the file's header);
+- ``state.json`` (rank 0): the format, the step, the world size, the train state, and the non-tensor
+  parts of the model and optimizer state dicts (param groups) with a ``{"$tensor": key}`` where each
+  tensor was;
+- ``rng/rank-RRRRR.json``: each rank's Python, NumPy, torch CPU (and CUDA) generator states.
+
+A safetensors header and a JSON document are data: loading a checkpoint runs no code from it, and a
+file that is anything else is refused with one line naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from steadytrain._io import write_atomic
+from steadytrain._text import brief, error_text
+from steadytrain.errors import UserError
+
+__all__ = [
+    "FORMAT",
+    "TENSOR",
+    "full_tensors",
+    "join_state",
+    "read_rng",
+    "read_state",
+    "rng_state",
+    "set_rng_state",
+    "split_state",
+    "tensor_shapes",
+    "to_json",
+    "write_json",
+]
+
+FORMAT, VERSION = "steadytrain-checkpoint", 1
+TENSOR = "$tensor"
+"""The key of the placeholder ``state.json`` holds where a tensor was: ``{"$tensor": "model/fc.weight"}``."""
+
+
+def split_state(value: Any, prefix: str, out: dict[str, torch.Tensor]) -> Any:
+    """``value`` with every tensor replaced by a placeholder; the tensors go to ``out`` under ``prefix/path``.
+
+    Example:
+        >>> out = {}
+        >>> split_state({"state": {"w": {"step": torch.tensor(2.0)}}, "lr": 0.1}, "optimizer", out)
+        {'state': {'w': {'step': {'$tensor': 'optimizer/state/w/step'}}}, 'lr': 0.1}
+        >>> list(out)
+        ['optimizer/state/w/step']
+    """
+    if isinstance(value, torch.Tensor):
+        out[prefix] = value
+        return {TENSOR: prefix}
+    if isinstance(value, dict):
+        return {k: split_state(v, f"{prefix}/{k}", out) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [split_state(v, f"{prefix}/{i}", out) for i, v in enumerate(value)]
+    return value
+
+
+def join_state(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    """The inverse of :func:`split_state` (a placeholder whose tensor is missing is a KeyError)."""
+    if isinstance(skeleton, dict):
+        if set(skeleton) == {TENSOR}:
+            return tensors[skeleton[TENSOR]]
+        return {k: join_state(v, tensors) for k, v in skeleton.items()}
+    if isinstance(skeleton, list):
+        return [join_state(v, tensors) for v in skeleton]
+    return skeleton
+
+
+def to_json(value: Any, where: str) -> Any:
+    """``value`` as JSON data (NumPy scalars as numbers, tuples as lists, keys as strings); a TypeError
+    naming the path for anything else (a checkpoint never holds an object it could not read back as data)."""
+    if value is None or isinstance(value, bool | int | str):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else repr(value)  # "inf"/"nan": read back with float()
+    if isinstance(value, np.generic):
+        return to_json(value.item(), where)
+    if isinstance(value, dict):
+        return {str(k): to_json(v, f"{where}.{k}") for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [to_json(v, f"{where}[{i}]") for i, v in enumerate(value)]
+    raise TypeError(f"{where}: a {type(value).__name__} is not checkpoint data (numbers, strings, lists, mappings)")
+
+
+def write_json(path: Path, value: Any) -> None:
+    """Write ``value`` (JSON data) to ``path`` atomically and durably."""
+    text = json.dumps(value, allow_nan=False, separators=(",", ":"))
+    write_atomic(path, lambda f: f.write(text.encode()))
+
+
+def _load_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_bytes())
+    except FileNotFoundError:
+        raise UserError(f"{path}: missing: the checkpoint is incomplete") from None
+    except (ValueError, UnicodeDecodeError, OSError) as err:
+        raise UserError(f"{path}: not a steadytrain checkpoint file (not JSON: {error_text(err, 80)})") from None
+
+
+def read_state(ckpt: Path) -> dict[str, Any]:
+    """``state.json`` of checkpoint directory ``ckpt``, its format and version checked."""
+    path = ckpt / "state.json"
+    state = _load_json(path)
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise UserError(f'{path}: not a steadytrain checkpoint (no "format": "{FORMAT}")')
+    if state.get("version") != VERSION:
+        got = brief(state.get("version"))
+        raise UserError(f"{path}: checkpoint format version {got}; this steadytrain reads version {VERSION}")
+    for key, kind in (("step", int), ("world_size", int), ("train", dict), ("model", dict), ("optimizer", dict)):
+        if not isinstance(state.get(key), kind) or isinstance(state.get(key), bool):
+            got = brief(state.get(key))
+            raise UserError(f"{path}: {key}={got} is not a {kind.__name__}: the checkpoint is damaged")
+    return state
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's generator states, as JSON data."""
+    version, keys, gauss = random.getstate()
+    name, mt, pos, has_gauss, cached = np.random.get_state()
+    out: dict[str, Any] = {
+        "python": [version, list(keys), gauss],
+        "numpy": [name, mt.tolist(), int(pos), int(has_gauss), float(cached)],
+        "torch": torch.get_rng_state().tolist(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
+    return out
+
+
+def read_rng(ckpt: Path, rank: int) -> dict[str, Any] | None:
+    """Rank ``rank``'s saved generator states (None if the checkpoint has none for it)."""
+    path = ckpt / "rng" / f"rank-{rank:05d}.json"
+    return _load_json(path) if path.exists() else None
+
+
+def set_rng_state(state: Any, where: str) -> None:
+    """Restore what :func:`rng_state` captured; a UserError naming ``where`` if it is not that."""
+    try:
+        version, keys, gauss = state["python"]
+        random.setstate((int(version), tuple(int(k) for k in keys), None if gauss is None else float(gauss)))
+        name, mt, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((str(name), np.asarray(mt, dtype=np.uint32), int(pos), int(has_gauss), float(cached)))
+        torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+        if state.get("cuda") and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]])
+    except (KeyError, TypeError, ValueError, RuntimeError, OverflowError) as err:
+        raise UserError(f"{where}: not a generator state ({error_text(err, 80)}): the checkpoint is damaged") from None
+
+
+def _reader_metadata(ckpt: Path) -> Any:
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    files = sorted(ckpt.glob("*.safetensors"))
+    if not files:
+        raise UserError(f"{ckpt}: no .safetensors file: the checkpoint is incomplete")
+    try:
+        return HuggingFaceStorageReader(str(ckpt)).read_metadata()
+    except Exception as err:  # a header is parsed from untrusted bytes: any failure means "not ours"
+        raise UserError(f"{ckpt}: a .safetensors file is not readable ({error_text(err, 100)})") from None
+
+
+def tensor_shapes(ckpt: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Every tensor key of the checkpoint with its full shape and dtype (from the files' headers)."""
+    meta = _reader_metadata(ckpt)
+    return {k: (tuple(m.size), m.properties.dtype) for k, m in meta.state_dict_metadata.items()}
+
+
+def full_tensors(ckpt: Path, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(key without prefix, full tensor)`` for each tensor under ``prefix/``, one at a time, assembled
+    on the CPU from every rank's shards (memory: one tensor, never the whole state)."""
+    from safetensors import safe_open
+
+    meta = _reader_metadata(ckpt)
+    by_key: dict[str, list[tuple[Any, Any]]] = {}
+    for index, info in meta.storage_data.items():
+        by_key.setdefault(index.fqn, []).append((index, info))
+    for key in sorted(k for k in meta.state_dict_metadata if k.startswith(prefix + "/")):
+        md = meta.state_dict_metadata[key]
+        out, covered = torch.empty(tuple(md.size), dtype=md.properties.dtype), 0
+        for index, info in by_key.get(key, []):
+            with safe_open(str(ckpt / Path(info.relative_path).name), framework="pt") as f:
+                part = f.get_tensor(key)
+            offsets = list(index.offset or [0] * part.dim())
+            shape = tuple(part.shape)
+            if len(offsets) != out.dim() or any(o + s > n for o, s, n in zip(offsets, shape, out.shape, strict=True)):
+                raise UserError(f"{ckpt}: {key}: a shard at {offsets} of shape {shape} outside {tuple(out.shape)}")
+            out[tuple(slice(o, o + s) for o, s in zip(offsets, shape, strict=True))] = part
+            covered += part.numel()
+        if covered != out.numel():
+            raise UserError(f"{ckpt}: {key}: its shards hold {covered} of {out.numel()} values (damaged)")
+        yield key[len(prefix) + 1 :], out

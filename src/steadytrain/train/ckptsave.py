@@ -1,0 +1,225 @@
+"""Writing checkpoints: every rank its own shards, in the background when it can, complete or absent.
+
+:class:`CheckpointWriter` saves the model and optimizer through ``torch.distributed.checkpoint``
+(sharded state dicts: an FSDP2 rank writes its DTensor shards, DDP replicas are written once) into
+``checkpoints/.step-XXXXXXXX.partial/``; rank 0 renames it to ``step-XXXXXXXX/`` once every rank's
+files and ``state.json`` are on disk, then removes the checkpoints retention no longer keeps. A kill
+at any point leaves the previous checkpoint the latest complete one.
+
+With ``use_async`` the loop is blocked only while the state is copied to host memory (DCP's
+``async_save`` with a staging pool kept across saves, its copy made in a background thread): the
+optimizer's next step waits for that copy (a step pre-hook), the write runs in the background on a
+process group of its own, the next save waits for the previous one, and :meth:`wait` (the run's end)
+for the last. A failed background write is logged and raised by :meth:`wait`; its directory is never
+renamed, so it is never mistaken for a checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+import time
+import warnings
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict
+
+from steadytrain._text import error_text
+from steadytrain.train.checkpoint import list_checkpoints
+from steadytrain.train.ckptfiles import FORMAT, VERSION, rng_state, split_state, to_json, write_json
+from steadytrain.train.distributed import DistInfo
+
+# DCP warns that a process without a process group saves/loads alone: that is the intent here (no_dist)
+warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+
+__all__ = ["CheckpointFailed", "CheckpointWriter", "checkpoint_name", "prune"]
+
+log = logging.getLogger("steadytrain.train")
+
+FILES_PER_RANK = 8
+"""A rank's tensors go to up to this many files: the write serializes one file at a time (memory: one file)."""
+
+
+class CheckpointFailed(RuntimeError):
+    """A checkpoint could not be written (the previous complete one is still the latest)."""
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def prune(ckpt_dir: Path, keep_last: int, keep: frozenset[int]) -> None:
+    """Remove complete checkpoints beyond the last ``keep_last`` but those of the steps in ``keep``."""
+    for step, path in list_checkpoints(ckpt_dir)[:-keep_last]:
+        if step not in keep:
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+
+
+def _file_index(tensors: dict[str, torch.Tensor], files: int) -> dict[str, int]:
+    """Each key's file (1-based), balancing the bytes: the largest tensors first, each to the lightest file."""
+    loads = [0] * files
+    out = {}
+    for key in sorted(tensors, key=lambda k: -tensors[k].numel() * tensors[k].element_size()):
+        i = loads.index(min(loads))
+        loads[i] += tensors[key].numel() * tensors[key].element_size()
+        out[key] = i + 1
+    return out
+
+
+class CheckpointWriter:
+    """One run's checkpoint writer (every rank builds one at the same point: it may create a process group)."""
+
+    def __init__(self, ckpt_dir: Path, info: DistInfo, *, use_async: bool, keep_last: int) -> None:
+        self.dir, self.info, self.use_async, self.keep_last = ckpt_dir, info, use_async, keep_last
+        self.group = dist.new_group(backend="gloo") if info.backend is not None and use_async else None
+        self._stager: Any = None
+        self._staged: Future | None = None
+        self._upload: Future | None = None
+        self._pending: tuple[int, Path, frozenset[int]] | None = None
+        self.failed: str | None = None
+        self._finished = threading.Event()
+        self.blocked_s = 0.0
+        """Seconds the caller was blocked by saves (the call itself and any wait for a staging copy)."""
+        if info.is_main and ckpt_dir.is_dir():
+            for stale in ckpt_dir.glob(".step-*.partial"):  # a save a kill interrupted: never a checkpoint
+                shutil.rmtree(stale, ignore_errors=True)
+
+    def guard(self, optimizer: torch.optim.Optimizer) -> Any:
+        """Make ``optimizer.step`` wait for an asynchronous save's copy of the state (returns the hook handle)."""
+        return optimizer.register_step_pre_hook(lambda *_: self.wait_staged())
+
+    def wait_staged(self) -> None:
+        if self._staged is not None:
+            t0 = time.perf_counter()
+            try:
+                self._staged.result()
+            except Exception as err:  # the copy failed: the write will too; reported by wait()
+                self._fail(err)
+            self._staged = None
+            self.blocked_s += time.perf_counter() - t0
+
+    def save(
+        self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, train: dict[str, Any], keep: frozenset[int]
+    ) -> None:
+        """Save ``step`` (a collective: every rank calls it); ``train`` is rank 0's train state (JSON data)."""
+        self._drain()  # one save at a time: the previous one completes (and is renamed) first; a failure is logged
+        t0 = time.perf_counter()
+        partial = self.dir / f".{checkpoint_name(step)}.partial"
+        if self.info.is_main:
+            shutil.rmtree(partial, ignore_errors=True)
+            partial.mkdir(parents=True)
+        if self.info.backend is not None:
+            dist.barrier()
+        model_sd, optim_sd = get_state_dict(model, optimizer)  # sharded: no rank gathers the full state
+        tensors: dict[str, torch.Tensor] = {}
+        skeleton = {
+            "model": split_state(model_sd, "model", tensors),
+            "optimizer": split_state(optim_sd, "optimizer", tensors),
+        }
+        (partial / "rng").mkdir(exist_ok=True)
+        write_json(partial / "rng" / f"rank-{self.info.rank:05d}.json", rng_state())  # each rank its own streams
+        world = self.info.world_size
+        header = {"format": FORMAT, "version": VERSION, "step": step, "world_size": world, "train": train}
+        state = to_json(header | skeleton, "checkpoint state") if self.info.is_main else None
+        self._pending = (step, partial, keep)
+        self._start(tensors, partial, lambda: self._finish(state, step, partial, keep))
+        self.blocked_s += time.perf_counter() - t0
+
+    def _start(self, tensors: dict[str, torch.Tensor], partial: Path, finish: Any) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+        writer = HuggingFaceStorageWriter(
+            str(partial), save_distributed=True, fqn_to_index_mapping=_file_index(tensors, FILES_PER_RANK)
+        )
+        no_dist = self.info.backend is None
+        if not self.use_async:
+            try:
+                dcp.save(tensors, storage_writer=writer, no_dist=no_dist)
+            except Exception as err:
+                self._fail(err)
+                failed, self.failed = self.failed, None
+                raise CheckpointFailed(failed) from None
+            finish()
+            return
+        if self._stager is None:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            self._stager = DefaultStager(StagingOptions(False, False, True, False))  # staging reused across saves
+        response = dcp.async_save(
+            tensors, storage_writer=writer, process_group=self.group, async_stager=self._stager, no_dist=no_dist
+        )
+        self._staged = getattr(response, "staging_completion", None)
+        self._upload = getattr(response, "upload_completion", response)
+        self._finished.clear()
+
+        def done(fut: Future) -> None:  # on the writing thread, as soon as every rank's files are written
+            try:
+                if fut.exception() is None:
+                    finish()
+            finally:
+                self._finished.set()
+
+        self._upload.add_done_callback(done)
+
+    def _finish(self, state: Any, step: int, partial: Path, keep: frozenset[int]) -> None:
+        """Rank 0, after every rank's files: ``state.json``, the rename that makes it a checkpoint, retention."""
+        if not self.info.is_main:
+            return
+        try:
+            write_json(partial / "state.json", state)
+            final = self.dir / checkpoint_name(step)
+            if final.exists():  # the same step saved again (a resumed run): replaced whole
+                shutil.rmtree(final)
+            os.replace(partial, final)
+            fd = os.open(self.dir, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            prune(self.dir, self.keep_last, keep | {step})
+        except OSError as err:
+            self._fail(err)
+
+    def _fail(self, err: BaseException) -> None:
+        step = self._pending[0] if self._pending else "?"
+        self.failed = f"checkpoint of step {step} failed: {error_text(err, 200)}"
+        log.error("%s; the previous complete checkpoint stays the latest", self.failed)
+
+    def _drain(self) -> str | None:
+        """Wait for the save in flight; why it (or an earlier one) failed, or None (a failure is logged once)."""
+        self.wait_staged()
+        if self._upload is not None:
+            t0 = time.perf_counter()
+            try:
+                self._upload.result()
+            except Exception as err:
+                self._fail(err)
+            self._finished.wait()  # the rename (a callback) ends after result() returns
+            self._upload = None
+            self.blocked_s += time.perf_counter() - t0
+        self._pending = None
+        failed, self.failed = self.failed, None
+        return failed
+
+    def wait(self) -> None:
+        """Wait for the save in flight: a CheckpointFailed if it (or one since the last wait) failed."""
+        if failed := self._drain():
+            raise CheckpointFailed(failed)
+
+    def close(self) -> None:
+        """Wait for a save in flight (its failure is logged), release the staging pool."""
+        self._drain()
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None

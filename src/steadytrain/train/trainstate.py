@@ -1,0 +1,95 @@
+"""A run's progress as one object: counters, exposure, and the state of its stateful parts.
+
+:class:`TrainState` holds the optimizer step, the epoch, the consecutive non-finite steps, the wall
+time before a resume and the examples seen per shard, with the scheduler, accumulator, data
+position, loss scaler and validation it saves and restores (as torchtitan's trainer state does).
+``state_dict()`` is JSON data: a checkpoint's ``state.json`` carries it, nothing is pickled.
+Examples seen per shard are counted on the host, per rank; :meth:`count` adds a micro-batch's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from steadytrain.train.ckptfiles import to_json
+from steadytrain.train.distributed import DistInfo
+from steadytrain.train.evaluate import Validation
+
+__all__ = ["TrainState"]
+
+
+@dataclass
+class TrainState:
+    """Where a run is, and the stateful parts a checkpoint restores."""
+
+    scheduler: Any
+    accumulator: Any
+    data: Any
+    scaler: Any = None
+    validation: Validation | None = None
+    step: int = 0
+    epoch: int = 0
+    consecutive_skips: int = 0
+    """Non-finite (skipped) optimizer steps in a row up to now (``nonfinite.max_consecutive_skips``)."""
+    elapsed_before: float = 0.0
+    """Wall time of the run before this process resumed it."""
+    exposure: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    """Examples seen per shard id by this rank (rank 0 also holds the counts from before a resume)."""
+
+    def count(self, shard: torch.Tensor) -> None:
+        """Add a micro-batch's examples (``shard``: each example's shard id, a host tensor)."""
+        counts = np.bincount(shard.numpy().reshape(-1), minlength=len(self.exposure))  # NumPy: no torch op overhead
+        if len(counts) > len(self.exposure):
+            self.exposure = np.concatenate([self.exposure, np.zeros(len(counts) - len(self.exposure), dtype=np.int64)])
+        self.exposure += counts
+
+    def state_dict(self, *, elapsed_s: float, exposure: dict[int, int]) -> dict[str, Any]:
+        """JSON data; ``exposure``: every rank's counts (a collective gathers them); ``elapsed_s``: the wall time."""
+        return to_json(
+            {
+                "step": self.step,
+                "epoch": self.epoch,
+                "consecutive_skips": self.consecutive_skips,
+                "elapsed_s": elapsed_s,
+                "exposure": {str(k): v for k, v in sorted(exposure.items())},
+                "scheduler": self.scheduler.state_dict(),
+                "accumulator": self.accumulator.state_dict(),
+                "data": self.data.state_dict(),
+                "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+                "validation": self.validation.state_dict() if self.validation is not None else None,
+            },
+            "train state",
+        )
+
+    def load_state_dict(self, state: dict[str, Any], *, is_main: bool) -> None:
+        """Restore ``state`` (the exposure counts on rank 0 alone: it carries the global counts on)."""
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.accumulator.load_state_dict(state["accumulator"])  # taken at a step boundary: any K (world size)
+        if self.scaler is not None and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+        self.data.load_state_dict(state["data"])
+        self.step, self.epoch = int(state["step"]), int(state["data"]["epoch"])
+        self.consecutive_skips = int(state.get("consecutive_skips", 0))
+        self.elapsed_before = float(state.get("elapsed_s", 0.0))
+        if self.validation is not None and state.get("validation"):
+            self.validation.load_state_dict(state["validation"])
+        saved = {int(k): int(v) for k, v in (state.get("exposure") or {}).items()} if is_main else {}
+        self.exposure = np.zeros(max(saved, default=-1) + 1, dtype=np.int64)
+        for shard, n in saved.items():
+            self.exposure[shard] = n
+
+    def global_exposure(self, info: DistInfo, shard_ids: Any) -> dict[int, int]:
+        """Examples seen per shard over all ranks (a collective: every rank calls it)."""
+        size = max(max(shard_ids, default=-1) + 1, len(self.exposure))
+        counts = torch.zeros(size, dtype=torch.int64)
+        counts[: len(self.exposure)] = torch.from_numpy(self.exposure)
+        if info.backend is not None:
+            on = counts.to(info.device)  # NCCL reduces device tensors only
+            dist.all_reduce(on)
+            counts = on.cpu()
+        return {s: int(n) for s, n in enumerate(counts.tolist()) if n}
