@@ -114,8 +114,8 @@ def worker(rank: int, init: str, root: str, args: argparse.Namespace, out: dict)
     model, opt, x = build(args.width, args.layers, shard=True)
     full = state_bytes(model, opt)
     rows: dict[str, list[float]] = {"sync": [], "async": [], "async+step": [], "mem_sync": [], "mem_async": []}
-    sync = CheckpointWriter(Path(root) / f"sync{rank}", info, use_async=False, keep_last=1)
-    asyn = CheckpointWriter(Path(root) / f"async{rank}", info, use_async=True, keep_last=1)
+    sync = CheckpointWriter(Path(root) / "sync", info, use_async=False, keep_last=1)
+    asyn = CheckpointWriter(Path(root) / "async", info, use_async=True, keep_last=1)
     for r in range(args.repeats + 1):  # round 0 warms up (the staging pool is allocated there)
         blocked, mem = one_save(sync, r + 1, model, opt, x, False)
         a_blocked, a_mem = one_save(asyn, r + 1, model, opt, x, False)
@@ -169,12 +169,13 @@ def main() -> None:
             init = f"file://{root / 'init'}"
             mp.spawn(worker, args=(init, str(root), args, out), nprocs=2, join=True)
             ranks = dict(out)
-        shutil.rmtree(root / "sync0", ignore_errors=True)
+        shutil.rmtree(root / "sync", ignore_errors=True)
         c = throughput(args, root)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     params = args.width * (args.width + 1) * args.layers
-    print(f"model: {params / 1e6:.1f}M parameters, AdamW; full state {ranks[0]['full_gb']:.2f} GB; FSDP2 on 2 gloo ranks")
+    full = ranks[0]["full_gb"]
+    print(f"model: {params / 1e6:.1f}M parameters, AdamW; full state {full:.2f} GB; FSDP2 on 2 gloo ranks")
     for rank, m in sorted(ranks.items()):
         print(
             f"rank {rank}: blocked sync {m['sync']:.3f} s, async {m['async']:.3f} s "

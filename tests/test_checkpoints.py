@@ -146,7 +146,8 @@ for step in range(2, 1000):
 def test_sigkill_during_an_async_save_leaves_the_previous_checkpoint_loadable(tmp_path):
     ckpt = tmp_path / "checkpoints"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-c", _ASYNC_WRITER, str(ckpt)], stdout=subprocess.PIPE, text=True, env=env)
+    cmd = [sys.executable, "-c", _ASYNC_WRITER, str(ckpt)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
     assert proc.stdout.readline().strip() == "first"
     deadline = time.monotonic() + 120
     while not list(ckpt.glob(".step-*.partial/*.safetensors")):  # a background write is under way
@@ -224,7 +225,8 @@ def test_export_errors_are_one_line(tmp_path, data):
     assert_user_error(run_cli("export", str(run), "--out", str(tmp_path / "m.pt")), ".safetensors")
     assert_user_error(run_cli("export", str(run), "--out", str(tmp_path / "no" / "m.safetensors")), "does not exist")
     assert_user_error(run_cli("export", str(run), "--step", "7", "--out", str(tmp_path / "m.safetensors")), "--step 7")
-    assert_user_error(run_cli("export", str(tmp_path), "--out", str(tmp_path / "m.safetensors")), "not a steadytrain run")
+    not_a_run = run_cli("export", str(tmp_path), "--out", str(tmp_path / "m.safetensors"))
+    assert_user_error(not_a_run, "not a steadytrain run")
     assert not list(tmp_path.glob("*.safetensors*"))
 
 
@@ -266,10 +268,33 @@ def test_a_run_of_single_file_checkpoints_still_resumes_and_exports(tmp_path, da
 def test_retention_keeps_the_latest_and_the_best_and_a_resume_finds_them(tmp_path, data):
     run = tmp_path / "run"
     items = [*TINY, f"data.path={data}", "run.max_steps=6", "checkpoint.every_steps=1", "checkpoint.keep_last=1"]
-    train("--run-dir", str(run), *sets(*items, "eval.holdout_shards=1", "eval.every_steps=1", "checkpoint.keep_best=true"))
+    items += ["eval.holdout_shards=1", "eval.every_steps=1", "checkpoint.keep_best=true"]
+    train("--run-dir", str(run), *sets(*items))
     best = min(evals(run), key=lambda r: r["val_loss"])["step"]
     kept = [s for s, _ in list_checkpoints(run / "checkpoints")]
     assert kept == sorted({best, 6})
     assert not list((run / "checkpoints").glob(".*"))  # no partial save left behind
     train("--resume", str(run), *sets("run.max_steps=7"))
     assert [r["step"] for r in metrics(run)] == list(range(1, 8))
+
+
+def test_the_train_state_round_trips_through_json_with_its_tensors():
+    from steadytrain.train.ckptfiles import from_json, to_json
+
+    state = {
+        "events": [{"shard": torch.tensor([3, 9], dtype=torch.int64), "loss": torch.tensor([float("nan"), 1.5])}],
+        "flags": torch.tensor([[True, False]]),
+        "n": np.int64(7),
+        "inf": float("inf"),
+        "pair": (1, "a"),
+    }
+    back = from_json(json.loads(json.dumps(to_json(state, "state"))), "state")
+    assert torch.equal(back["events"][0]["shard"], state["events"][0]["shard"])
+    assert back["events"][0]["loss"].dtype == torch.float32 and back["events"][0]["loss"][1] == 1.5
+    assert torch.isnan(back["events"][0]["loss"][0])
+    assert torch.equal(back["flags"], state["flags"]) and back["n"] == 7 and back["inf"] == float("inf")
+    assert back["pair"] == [1, "a"]
+    with pytest.raises(TypeError, match=r"state\.obj: a object"):
+        to_json({"obj": object()}, "state")
+    with pytest.raises(UserError, match="damaged array"):
+        from_json({"$array": {"dtype": "os", "shape": [1], "data": [1]}}, "state.json")

@@ -28,6 +28,7 @@ from steadytrain.data import global_batch, open_dataset
 from steadytrain.diagnose import hunt as diagnose_hunt
 from steadytrain.diagnose import read_ledger, report
 from steadytrain.diagnose.demo import LATER, NEW_VALUE, PROVENANCE, make_dataset, train_config
+from steadytrain.train.checkpoint import load_checkpoint
 from steadytrain.train.replay import run_model
 
 EXE = str(Path(sys.executable).with_name("steadytrain"))
@@ -164,7 +165,7 @@ def test_a_failure_at_step_1_replays_from_the_initial_weights_never_a_later_chec
     assert by_step.reproduced and by_step.bad == [[shard, i] for i in rows]
     assert (by_step.checkpoint, by_step.checkpoint_step, by_step.note) == (None, 0, None)
     # A later checkpoint given on purpose is used, and the note says its weights are from after the failure.
-    later = hunt(run, shard, checkpoint=run / "checkpoints" / "step-00000002.pt")
+    later = hunt(run, shard, checkpoint=run / "checkpoints" / "step-00000002")
     assert later.checkpoint_step == 2 and "after step 1" in later.note
     proc = subprocess.run([EXE, "nan", "hunt", str(run), "--shard", str(shard)],
                           capture_output=True, text=True, timeout=120, env=env())  # fmt: skip
@@ -177,7 +178,7 @@ def test_the_rebuilt_initial_weights_are_the_ones_the_run_started_from(step_one)
 
     _, run, _, _ = step_one
     # Step 1 was skipped (no update): the weights saved after it are the run's initial weights.
-    load = lambda step: torch.load(run / "checkpoints" / f"step-{step:08d}.pt", weights_only=True)["model"]  # noqa: E731
+    load = lambda step: load_checkpoint(run / "checkpoints" / f"step-{step:08d}")["model"]  # noqa: E731
     start, trained = load(1), load(2)
     rebuilt = initial_model(run).state_dict()
     assert rebuilt.keys() == start.keys()
@@ -190,7 +191,7 @@ def test_no_checkpoint_at_or_before_the_step_uses_the_initial_weights_and_says_h
     _, run, shard, _ = step_one
     run = Path(shutil.copytree(run, tmp_path / "run"))
     for step in (1, 2, 3):  # as if the run saved every 4 steps
-        (run / "checkpoints" / f"step-{step:08d}.pt").unlink()
+        shutil.rmtree(run / "checkpoints" / f"step-{step:08d}")
     found = hunt(run, step=3)
     assert (found.checkpoint, found.checkpoint_step, found.reproduced) == (None, 0, False)
     assert "initial weights" in found.note and "2 step(s) before step 3" in found.note
@@ -217,7 +218,7 @@ def test_max_consecutive_skips_stops_cleanly_with_the_report_written(scenario, t
         summary = (run / "summary.md").read_text()
         assert "stopped early" in summary and "non-finite steps" in summary
         assert json.loads((run / "nonfinite_report.json").read_text())["steps"] == sorted(steps)
-        assert (run / "checkpoints" / f"step-{min(steps):08d}.pt").exists()
+        assert (run / "checkpoints" / f"step-{min(steps):08d}" / "state.json").exists()
         assert (run / "exposure.json").exists()
 
 

@@ -42,21 +42,29 @@ def _files(run: Path) -> dict[str, bytes]:
 
 
 @pytest.mark.parametrize(
-    "content",
-    [b"hello world", b"a", b"}q", b"root:x:0:0:root:/root:/bin/bash\n", pickle.dumps({"step": 4, "model": 1})],
-    ids=["text", "a", "brace-q", "passwd", "stock-pickle"],
+    ("name", "content"),
+    [
+        ("state.json", b"hello world"),
+        ("state.json", b"a"),
+        ("state.json", b"}q"),
+        ("state.json", b"root:x:0:0:root:/root:/bin/bash\n"),
+        ("state.json", pickle.dumps({"step": 4, "model": 1})),
+        ("state.json", b'{"format": "steadytrain-checkpoint", "version": 1, "step": "4"}'),
+        ("*.safetensors", b"\x08\x00\x00\x00\x00\x00\x00\x00{}      "),
+        ("*.safetensors", pickle.dumps({"step": 4, "model": 1})),
+    ],
+    ids=["text", "a", "brace-q", "passwd", "stock-pickle", "wrong-type", "empty-header", "pickle-shards"],
 )
-def test_a_damaged_latest_checkpoint_is_one_line_naming_the_previous_one(base, tmp_path, content):
+def test_a_damaged_latest_checkpoint_is_one_line_naming_the_previous_one(base, tmp_path, name, content):
     run = _copy(base, tmp_path / "run")
-    (run / "checkpoints" / "step-00000004.pt").write_bytes(content)
+    for f in (run / "checkpoints" / "step-00000004").glob(name):
+        f.write_bytes(content)
     before = _files(run)
     proc = run_cli("train", "--resume", str(run), *sets("run.max_steps=6"))
-    assert_user_error(proc, "step-00000004.pt", "move it away to resume from step-00000002.pt")
+    assert_user_error(proc, "step-00000004", "move it away to resume from step-00000002")
     assert _files(run) == before
-    hunt = run_cli(
-        "nan", "hunt", str(run), "--shard", "1", "--checkpoint", str(run / "checkpoints" / "step-00000004.pt")
-    )
-    assert_user_error(hunt, "step-00000004.pt")
+    hunt = run_cli("nan", "hunt", str(run), "--shard", "1", "--checkpoint", str(run / "checkpoints" / "step-00000004"))
+    assert_user_error(hunt, "step-00000004")
 
 
 def test_a_checkpoint_that_is_not_a_file_says_so(base):

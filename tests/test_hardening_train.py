@@ -11,6 +11,7 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -158,7 +159,7 @@ def test_ctrl_c_writes_a_checkpoint_at_the_step_boundary_and_resume_continues_ex
     assert proc.returncode == 130, err
     assert "Traceback" not in err
     assert f"--resume {run}" in err and "step 5" in err
-    assert (run / "checkpoints" / "step-00000005.pt").is_file()
+    assert (run / "checkpoints" / "step-00000005" / "state.json").is_file()
     assert "interrupted by SIGINT at step 5" in (run / "summary.md").read_text()
     resumed = run_cli("train", "--resume", str(run), PYTHONPATH=str(model_dir))
     assert resumed.returncode == 0, resumed.stderr
@@ -348,10 +349,11 @@ def test_a_run_directory_with_a_newline_and_markup_stays_inert_in_logs_and_summa
 
 def test_checkpoint_load_errors_name_the_parameter_and_the_way_back(tmp_path):
     import torch
-    from torch.distributed.checkpoint.state_dict import get_state_dict
 
     from steadytrain.errors import UserError
-    from steadytrain.train.checkpoint import apply_checkpoint, load_checkpoint, save_checkpoint
+    from steadytrain.train.checkpoint import load_checkpoint, restore
+    from steadytrain.train.ckptsave import CheckpointWriter
+    from steadytrain.train.distributed import DistInfo
 
     def stepped(n_in: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         m = torch.nn.Linear(n_in, 2)
@@ -361,16 +363,23 @@ def test_checkpoint_load_errors_name_the_parameter_and_the_way_back(tmp_path):
         return m, o
 
     saved_model, saved_opt = stepped(4)
-    model, opt = stepped(3)
-    state = dict(zip(("model", "optimizer"), get_state_dict(saved_model, saved_opt), strict=True))
-    with pytest.raises(UserError, match=r"size mismatch for weight.*\[2, 4\].*\[2, 3\]"):
-        apply_checkpoint(state, model, opt)
     ckpt = tmp_path / "checkpoints"
-    save_checkpoint(ckpt, 2, model=model, optimizer=opt, extra={}, is_main=True, keep_last=5)
-    (ckpt / "step-00000004.pt").write_text("not a checkpoint")
-    with pytest.raises(UserError, match=re.escape("move it away to resume from step-00000002.pt")) as err:
+    writer = CheckpointWriter(ckpt, DistInfo(0, 1, 0, torch.device("cpu"), None), use_async=False, keep_last=5)
+    writer.save(2, saved_model, saved_opt, {"step": 2}, frozenset())
+    model, opt = stepped(3)
+    with pytest.raises(UserError, match=r"does not fit.*other shape: model/weight") as err:
+        restore(ckpt / "step-00000002", model, opt, no_dist=True)
+    assert "Traceback" not in str(err.value)
+    (ckpt / "step-00000004.pt").write_text("not a checkpoint")  # the single-file format of earlier versions
+    with pytest.raises(UserError, match=re.escape("move it away to resume from step-00000002")) as err:
         load_checkpoint(ckpt / "step-00000004.pt")
     assert "weights_only" not in str(err.value)
+    damaged = ckpt / "step-00000006"
+    shutil.copytree(ckpt / "step-00000002", damaged)
+    for f in damaged.glob("*.safetensors"):
+        f.write_bytes(b"not safetensors")
+    with pytest.raises(UserError, match=re.escape("move it away to resume from step-00000004.pt")):
+        load_checkpoint(damaged)
 
 
 @pytest.mark.distributed
@@ -390,7 +399,7 @@ def test_ctrl_c_on_nproc_stops_every_rank_with_a_checkpoint_and_no_traceback(tmp
     assert "Traceback" not in err
     assert err.count(f"resume with: steadytrain train --resume {run}") == 1
     (saved,) = [p.name for p in (run / "checkpoints").iterdir()]
-    assert saved in ("step-00000002.pt", "step-00000003.pt")  # the agreement is read one boundary later
+    assert saved in ("step-00000002", "step-00000003")  # the agreement is read one boundary later
     assert [r["step"] for r in _rows(run)] == list(range(1, int(saved[5:13]) + 1))
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -115,7 +116,7 @@ def test_run_writes_every_file_with_a_falling_loss_and_the_warmup_schedule(tmp_p
     proc = train_cli(run_dir, text_data, *sets(*extra), steps=16)
     for name in ("config.yaml", "env.json", "plan.json", "metrics.jsonl", "exposure.json", "summary.md"):
         assert (run_dir / name).is_file(), name
-    assert [p.name for p in sorted((run_dir / "checkpoints").iterdir())] == ["step-00000015.pt", "step-00000016.pt"]
+    assert [p.name for p in sorted((run_dir / "checkpoints").iterdir())] == ["step-00000015", "step-00000016"]
     rows = metrics(run_dir)
     assert [r["step"] for r in rows] == list(range(1, 17))
     assert set(rows[0]) == {
@@ -169,15 +170,15 @@ def test_ten_plus_resume_plus_ten_equals_twenty(tmp_path, text_data):
     train_cli(straight, text_data, *sets("checkpoint.every_steps=10"), steps=20)
     train_cli(split, text_data, *sets("checkpoint.every_steps=10"), steps=20)
     for extra in (straight, split):
-        assert (extra / "checkpoints" / "step-00000020.pt").exists()
+        assert (extra / "checkpoints" / "step-00000020" / "state.json").exists()
     # Make `split` a run that stopped after 10: drop the final checkpoint and the later log lines.
-    (split / "checkpoints" / "step-00000020.pt").unlink()
+    shutil.rmtree(split / "checkpoints" / "step-00000020")
     proc = run_cli("train", "--resume", str(split))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed" in proc.stderr
     assert [m["loss"] for m in metrics(split)] == [m["loss"] for m in metrics(straight)]  # bit for bit
-    a = load_checkpoint(straight / "checkpoints" / "step-00000020.pt")["model"]
-    b = load_checkpoint(split / "checkpoints" / "step-00000020.pt")["model"]
+    a = load_checkpoint(straight / "checkpoints" / "step-00000020")["model"]
+    b = load_checkpoint(split / "checkpoints" / "step-00000020")["model"]
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
@@ -190,15 +191,16 @@ def test_resume_of_a_directory_without_checkpoints_is_a_clean_error(tmp_path):
 _WRITER = """
 import sys, torch
 from pathlib import Path
-from steadytrain.train.checkpoint import save_checkpoint
+from steadytrain.train.ckptsave import CheckpointWriter
+from steadytrain.train.distributed import DistInfo
 model = torch.nn.Linear(2000, 2000)
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
-extra = {"blob": torch.zeros(40_000_000)}
 d = Path(sys.argv[1])
-save_checkpoint(d, 1, model=model, optimizer=opt, extra={}, is_main=True, keep_last=5)
+writer = CheckpointWriter(d, DistInfo(0, 1, 0, torch.device("cpu"), None), use_async=False, keep_last=5)
+writer.save(1, model, opt, {"step": 1}, frozenset())
 print("first", flush=True)
 for step in range(2, 1000):
-    save_checkpoint(d, step, model=model, optimizer=opt, extra=extra, is_main=True, keep_last=5)
+    writer.save(step, model, opt, {"step": step}, frozenset())
 """
 
 
@@ -214,8 +216,9 @@ def test_sigkill_during_a_checkpoint_write_leaves_the_previous_one_loadable(tmp_
     proc.wait()
     latest = latest_checkpoint(ckpt)
     state = load_checkpoint(latest)
-    assert state["step"] == int(latest.stem.split("-")[1]) >= 1
+    assert state["step"] == int(latest.name.split("-")[1]) >= 1
     assert "weight" in state["model"]
+    assert all((p / "state.json").is_file() for p in ckpt.glob("step-*"))  # a partial save is never listed
 
 
 # --- torchrun: DDP, FSDP2, two nodes, unequal shards -------------------------------------------
@@ -277,7 +280,7 @@ def test_nproc_hands_off_to_torchrun_and_resumes_on_another_world_size(tmp_path,
         *sets(*SMALL, f"data.path={text_data}", "run.max_steps=6", "checkpoint.every_steps=3"),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    (run_dir / "checkpoints" / "step-00000006.pt").unlink()
+    shutil.rmtree(run_dir / "checkpoints" / "step-00000006")
     proc = run_cli("train", "--resume", str(run_dir))  # 1 rank now: accumulation 4 instead of 2
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_same_losses(run_dir, one_rank)

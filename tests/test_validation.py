@@ -132,7 +132,7 @@ def test_the_validation_loss_is_a_hand_written_evaluation_of_the_checkpoint(tmp_
     assert sorted(rows) == [2, 4]
     for step in (2, 4):
         model = TinyLM(dim=32, layers=1, heads=2, seq_len=32)
-        model.load_state_dict(load_checkpoint(run / "checkpoints" / f"step-{step:08d}.pt")["model"])
+        model.load_state_dict(load_checkpoint(run / "checkpoints" / f"step-{step:08d}")["model"])
         model.eval()
         with torch.no_grad():
             losses = torch.cat([model({"tokens": t}) for t in tokens.split(7)]).double()
@@ -207,7 +207,7 @@ def test_early_stopping_ends_the_run_at_the_planted_plateau(tmp_path, data, othe
     assert "early stopping at step 12" in proc.stderr
     summary = (run / "summary.md").read_text()
     assert "early stopping at step 12" in summary and "best validation loss | 3 at step 6" in summary
-    assert sorted(p.name for p in (run / "checkpoints").glob("*.pt")) == ["step-00000006.pt", "step-00000012.pt"]
+    assert sorted(p.name for p in (run / "checkpoints").glob("step-*")) == ["step-00000006", "step-00000012"]
     assert run_cli("report", str(run)).returncode == 0  # a later report keeps the reason (the evaluation's row)
     assert "early stopping at step 12" in (run / "summary.md").read_text()
 

@@ -32,7 +32,14 @@ from torch.distributed.checkpoint.state_dict import (
 
 from steadytrain._text import error_text
 from steadytrain.errors import UserError
-from steadytrain.train.ckptfiles import full_tensors, join_state, read_state, split_state, tensor_shapes
+from steadytrain.train.ckptfiles import (
+    full_tensors,
+    join_state,
+    placeholders,
+    read_state,
+    split_state,
+    tensor_shapes,
+)
 
 # DCP warns that a process without a process group saves/loads alone: that is the intent here (no_dist)
 warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
@@ -119,6 +126,10 @@ def _load_legacy(path: Path) -> dict[str, Any]:
 def _check(path: Path) -> None:
     if not path.exists():
         raise UserError(f"{path}: no such checkpoint (a checkpoint is a checkpoints/step-NNNNNNNN directory)")
+    if not (path.is_file() or path.is_dir()):
+        raise UserError(
+            f"{path}: not a regular file or a directory (a checkpoint is a checkpoints/step-NNNNNNNN directory)"
+        )
 
 
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
@@ -139,9 +150,9 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     return {"step": state["step"], "world_size": state["world_size"], "train": state["train"], "model": full}
 
 
-def _fits(path: Path, tensors: dict[str, torch.Tensor], prefixes: tuple[str, ...]) -> None:
+def _fits(path: Path, tensors: dict[str, torch.Tensor], shapes: dict[str, Any], prefixes: tuple[str, ...]) -> None:
     """A UserError unless the checkpoint holds exactly ``tensors``' keys (under ``prefixes``), same shapes."""
-    saved = {k: v for k, v in tensor_shapes(path).items() if k.startswith(prefixes)}
+    saved = {k: v for k, v in shapes.items() if k.startswith(prefixes)}
     missing, unexpected = sorted(set(tensors) - set(saved)), sorted(set(saved) - set(tensors))
     wrong = [k for k in set(tensors) & set(saved) if tuple(tensors[k].shape) != saved[k][0]]
     if missing or unexpected or wrong:
@@ -162,7 +173,12 @@ def restore(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | Non
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageReader
 
-    state = read_state(path)
+    try:
+        state, shapes = read_state(path), tensor_shapes(path)
+        if lost := sorted(placeholders([state["model"], state["optimizer"]]) - set(shapes)):
+            raise UserError(f"{path}: state.json names tensors no .safetensors file holds ({', '.join(lost[:3])})")
+    except UserError as err:
+        raise UserError(f"{err}{_older(path)}") from None
     if optimizer is not None:
         model_sd, optim_sd = get_state_dict(model, optimizer)  # creates the optimizer's state to load into
     else:
@@ -171,7 +187,7 @@ def restore(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | Non
     split_state(model_sd, "model", tensors)
     if optim_sd is not None:
         split_state(optim_sd, "optimizer", tensors)
-    _fits(path, tensors, ("model/", "optimizer/") if optimizer is not None else ("model/",))
+    _fits(path, tensors, shapes, ("model/", "optimizer/") if optimizer is not None else ("model/",))
     try:
         dcp.load(tensors, storage_reader=HuggingFaceStorageReader(str(path)), no_dist=no_dist)
         model_sd = join_state(state["model"], tensors)

@@ -16,7 +16,6 @@ file that is anything else is refused with one line naming it.
 from __future__ import annotations
 
 import json
-import math
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,8 +31,10 @@ from steadytrain.errors import UserError
 __all__ = [
     "FORMAT",
     "TENSOR",
+    "from_json",
     "full_tensors",
     "join_state",
+    "placeholders",
     "read_rng",
     "read_state",
     "rng_state",
@@ -45,7 +46,7 @@ __all__ = [
 ]
 
 FORMAT, VERSION = "steadytrain-checkpoint", 1
-TENSOR = "$tensor"
+TENSOR, ARRAY = "$tensor", "$array"
 """The key of the placeholder ``state.json`` holds where a tensor was: ``{"$tensor": "model/fc.weight"}``."""
 
 
@@ -80,15 +81,33 @@ def join_state(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
     return skeleton
 
 
+def placeholders(skeleton: Any) -> set[str]:
+    """The tensor keys a :func:`split_state` skeleton names."""
+    if isinstance(skeleton, dict):
+        if set(skeleton) == {TENSOR}:
+            return {str(skeleton[TENSOR])}
+        return set().union(*(placeholders(v) for v in skeleton.values()))
+    if isinstance(skeleton, list):
+        return set().union(*(placeholders(v) for v in skeleton))
+    return set()
+
+
 def to_json(value: Any, where: str) -> Any:
     """``value`` as JSON data (NumPy scalars as numbers, tuples as lists, keys as strings); a TypeError
     naming the path for anything else (a checkpoint never holds an object it could not read back as data)."""
-    if value is None or isinstance(value, bool | int | str):
-        return value
-    if isinstance(value, float):
-        return value if math.isfinite(value) else repr(value)  # "inf"/"nan": read back with float()
+    if value is None or isinstance(value, bool | int | float | str):
+        return value  # a non-finite float is written as Infinity/NaN, which Python's json reads back
     if isinstance(value, np.generic):
         return to_json(value.item(), where)
+    if isinstance(value, torch.Tensor):  # a small tensor of the train state (e.g. a ledger tag's example ids)
+        t = value.detach().cpu()
+        return {
+            ARRAY: {
+                "dtype": str(t.dtype).removeprefix("torch."),
+                "shape": list(t.shape),
+                "data": t.reshape(-1).tolist(),
+            }
+        }
     if isinstance(value, dict):
         return {str(k): to_json(v, f"{where}.{k}") for k, v in value.items()}
     if isinstance(value, list | tuple):
@@ -96,9 +115,27 @@ def to_json(value: Any, where: str) -> Any:
     raise TypeError(f"{where}: a {type(value).__name__} is not checkpoint data (numbers, strings, lists, mappings)")
 
 
+def from_json(value: Any, where: str) -> Any:
+    """The inverse of :func:`to_json` for tensors: ``{"$array": ...}`` back to a CPU tensor (a UserError if damaged)."""
+    if isinstance(value, list):
+        return [from_json(v, where) for v in value]
+    if not isinstance(value, dict):
+        return value
+    if set(value) != {ARRAY}:
+        return {k: from_json(v, where) for k, v in value.items()}
+    spec = value[ARRAY]
+    try:
+        dtype = getattr(torch, spec["dtype"])
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"{spec['dtype']} is not a dtype")
+        return torch.tensor(spec["data"], dtype=dtype).reshape([int(n) for n in spec["shape"]])
+    except (KeyError, TypeError, ValueError, RuntimeError, AttributeError) as err:
+        raise UserError(f"{where}: a damaged array ({error_text(err, 80)})") from None
+
+
 def write_json(path: Path, value: Any) -> None:
     """Write ``value`` (JSON data) to ``path`` atomically and durably."""
-    text = json.dumps(value, allow_nan=False, separators=(",", ":"))
+    text = json.dumps(value, separators=(",", ":"))
     write_atomic(path, lambda f: f.write(text.encode()))
 
 

@@ -126,7 +126,7 @@ class CheckpointWriter:
             "model": split_state(model_sd, "model", tensors),
             "optimizer": split_state(optim_sd, "optimizer", tensors),
         }
-        (partial / "rng").mkdir(exist_ok=True)
+        (partial / "rng").mkdir(parents=True, exist_ok=True)
         write_json(partial / "rng" / f"rank-{self.info.rank:05d}.json", rng_state())  # each rank its own streams
         world = self.info.world_size
         header = {"format": FORMAT, "version": VERSION, "step": step, "world_size": world, "train": train}

@@ -17,7 +17,7 @@ from torch import nn
 
 from steadytrain.errors import UserError
 
-__all__ = ["DistInfo", "init_distributed", "teardown", "wrap_model"]
+__all__ = ["DistInfo", "agree", "init_distributed", "teardown", "wrap_model"]
 
 
 @dataclass(frozen=True)
@@ -108,3 +108,14 @@ def teardown(info: DistInfo) -> None:
             quiesce(info.world_size)
         finally:
             dist.destroy_process_group()
+
+
+def agree(info: DistInfo, error: str | None, where: str = "at start") -> None:
+    """Raise the same UserError on every rank if any rank has an ``error`` (one all-reduce, on the device)."""
+    if info.backend is not None:
+        flag = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=info.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item() and error is None:  # host sync: once per call
+            error = f"another rank failed {where} (its log says why)"
+    if error is not None:
+        raise UserError(error)

@@ -18,8 +18,8 @@ from steadytrain.train.evaluate import Validation
 from steadytrain.train.metrics import MetricsLog
 from steadytrain.train.rundir import RunDir
 from steadytrain.train.setup import RunPlan
+from steadytrain.train.state import TrainState
 from steadytrain.train.stop import StopRequest
-from steadytrain.train.trainstate import TrainState
 
 __all__ = ["Interrupted", "Job", "TrainingStopped"]
 

@@ -22,7 +22,7 @@ from steadytrain.train.checkpoint import is_legacy, latest_checkpoint, restore
 from steadytrain.train.ckptfiles import read_rng, set_rng_state
 from steadytrain.train.ckptsave import CheckpointFailed, CheckpointWriter
 from steadytrain.train.config import TrainConfig
-from steadytrain.train.distributed import DistInfo, init_distributed, teardown, wrap_model
+from steadytrain.train.distributed import DistInfo, agree, init_distributed, teardown, wrap_model
 from steadytrain.train.evaluate import Validation, evaluate, precision_context
 from steadytrain.train.job import Interrupted, Job, TrainingStopped
 from steadytrain.train.metrics import MetricsLog, Progress
@@ -38,8 +38,8 @@ from steadytrain.train.setup import (
     model_context,
     resolve_plan,
 )
+from steadytrain.train.state import TrainState
 from steadytrain.train.stop import StopRequest
-from steadytrain.train.trainstate import TrainState
 
 __all__ = ["Interrupted", "TrainingStopped", "train"]
 
@@ -134,17 +134,22 @@ def _restore_rng(job: Job, path: Path, saved: dict[str, Any]) -> None:
         if info.world_size > 1 and info.is_main:
             log.warning("resume: %s keeps rank 0's torch CPU random state alone: every rank continues it", path.name)
         return
-    rng = read_rng(path, info.rank) if saved["world_size"] == info.world_size else None
+    same = saved["world_size"] == info.world_size
+    rng = read_rng(path, info.rank) if same else None
     if rng is not None:
         set_rng_state(rng, str(path / "rng"))
         return
     seed_everything((job.cfg.run.seed * 1_000_003 + step * 1_009 + info.rank) % 2**63, job.cfg.run.deterministic)
-    if info.is_main:
+    if info.is_main or same:
+        why = (
+            f"the checkpoint holds no random state for rank {info.rank}"
+            if same
+            else f"the checkpoint was saved on {saved['world_size']} rank(s), this run has {info.world_size}"
+        )
         log.warning(
-            "resume: the checkpoint was saved on %s rank(s), this run has %d: each rank's random streams are "
-            "derived anew from run.seed, the step and the rank (random layers do not continue the saved streams)",
-            saved["world_size"],
-            info.world_size,
+            "resume: %s: random streams are derived anew from run.seed, the step and the rank (random layers do not "
+            "continue the saved streams)",
+            why,
         )
 
 
@@ -309,7 +314,13 @@ def _checkpoint(job: Job) -> None:
         job.metrics.flush()
     exposure = runfiles.write_exposure(job)
     elapsed = job.metrics.elapsed() if job.metrics else 0.0
-    train = job.state.state_dict(elapsed_s=elapsed, exposure=exposure) if job.info.is_main else {}
+    train, error = {}, None
+    if job.info.is_main:
+        try:
+            train = job.state.state_dict(elapsed_s=elapsed, exposure=exposure)
+        except TypeError as err:  # every rank stops with it, none waits in the save for rank 0
+            error = f"the checkpoint of step {job.state.step} cannot hold the train state: {err}"
+    agree(job.info, error, "to checkpoint")
     best = job.validation.best_step if job.validation and job.cfg.checkpoint.keep_best else None
     with contextlib.suppress(CheckpointFailed):  # logged with its step; the previous one stays the latest
         job.writer.save(job.state.step, job.model, job.optimizer, train, frozenset() if best is None else {best})

@@ -12,13 +12,10 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
-import torch.distributed as dist
-
 from steadytrain._io import load_json, load_yaml, read_jsonl, write_text_atomic
 from steadytrain._text import md
 from steadytrain.errors import UserError
-from steadytrain.train.distributed import DistInfo, barrier
+from steadytrain.train.distributed import DistInfo, agree, barrier
 from steadytrain.train.rundir import RunDir, claim_run_dir, lock_run, open_run_dir
 from steadytrain.train.runschema import check_plan, read_metrics, read_resumes
 
@@ -28,17 +25,6 @@ if TYPE_CHECKING:
     from steadytrain.train.setup import RunPlan
 
 log = logging.getLogger("steadytrain.train")
-
-
-def agree(info: DistInfo, error: str | None) -> None:
-    """Raise the same UserError on every rank if any rank has an ``error`` (one all-reduce)."""
-    if info.backend is not None:
-        flag = torch.tensor([0 if error is None else 1], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if flag.item() and error is None:  # host sync: once, at start
-            error = "another rank failed at start (its log says why)"
-    if error is not None:
-        raise UserError(error)
 
 
 def prepare(

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from steadytrain.train.ckptfiles import to_json
+from steadytrain.train.ckptfiles import from_json, to_json
 from steadytrain.train.distributed import DistInfo
 from steadytrain.train.evaluate import Validation
 
@@ -68,6 +68,7 @@ class TrainState:
 
     def load_state_dict(self, state: dict[str, Any], *, is_main: bool) -> None:
         """Restore ``state`` (the exposure counts on rank 0 alone: it carries the global counts on)."""
+        state = from_json(state, "state.json: train")
         self.scheduler.load_state_dict(state["scheduler"])
         self.accumulator.load_state_dict(state["accumulator"])  # taken at a step boundary: any K (world size)
         if self.scaler is not None and state.get("scaler"):
