@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import json
 import random
+import struct
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 import torch
@@ -43,6 +44,7 @@ __all__ = [
     "tensor_shapes",
     "to_json",
     "write_json",
+    "write_safetensors",
 ]
 
 FORMAT, VERSION = "steadytrain-checkpoint", 1
@@ -240,3 +242,49 @@ def full_tensors(ckpt: Path, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
         if covered != out.numel():
             raise UserError(f"{ckpt}: {key}: its shards hold {covered} of {out.numel()} values (damaged)")
         yield key[len(prefix) + 1 :], out
+
+
+_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+
+
+def write_safetensors(
+    f: BinaryIO,
+    shapes: dict[str, tuple[tuple[int, ...], torch.dtype]],
+    tensors: Iterator[tuple[str, torch.Tensor]],
+    metadata: dict[str, str],
+) -> int:
+    """Write a safetensors file to ``f``: the header from ``shapes``, then ``tensors`` in sorted key order
+    (each must match its shape and dtype). Returns the bytes of tensor data written."""
+    header: dict[str, Any] = {"__metadata__": metadata}
+    offset = 0
+    for key in sorted(shapes):
+        shape, dtype = shapes[key]
+        if dtype not in _DTYPES:
+            raise UserError(f"{key}: dtype {dtype} has no safetensors name")
+        size = dtype.itemsize * int(torch.Size(shape).numel())
+        header[key] = {"dtype": _DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
+    f.write(struct.pack("<Q", len(text)) + text)
+    done = []
+    for key, tensor in tensors:
+        shape, dtype = shapes[key]
+        if tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype:
+            raise UserError(f"{key}: {tuple(tensor.shape)} {tensor.dtype} where the header says {shape} {dtype}")
+        f.write(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)  # no copy
+        done.append(key)
+    if done != sorted(shapes):
+        raise UserError("the tensors written are not the header's, in its order")
+    return offset

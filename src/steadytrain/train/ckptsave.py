@@ -16,6 +16,7 @@ renamed, so it is never mistaken for a checkpoint.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -33,7 +34,15 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from steadytrain._text import error_text
 from steadytrain.train.checkpoint import list_checkpoints
-from steadytrain.train.ckptfiles import FORMAT, VERSION, rng_state, split_state, to_json, write_json
+from steadytrain.train.ckptfiles import (
+    FORMAT,
+    VERSION,
+    rng_state,
+    split_state,
+    to_json,
+    write_json,
+    write_safetensors,
+)
 from steadytrain.train.distributed import DistInfo
 
 # DCP warns that a process without a process group saves/loads alone: that is the intent here (no_dist)
@@ -74,6 +83,57 @@ def _file_index(tensors: dict[str, torch.Tensor], files: int) -> dict[str, int]:
         loads[i] += tensors[key].numel() * tensors[key].element_size()
         out[key] = i + 1
     return out
+
+
+def _storage_writer(path: Path, mapping: dict[str, int]) -> Any:
+    """DCP's safetensors storage (each rank its own files; the Hugging Face reader reads them back), with
+    each file streamed: its header, then every tensor's bytes straight from the tensor, then an fsync.
+    (DCP's own writer serializes a whole file into one buffer first: a third of the throughput here.)"""
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+    from torch.distributed.checkpoint._hf_utils import (
+        CUSTOM_METADATA_KEY,
+        DCP_VERSION_KEY,
+        FORMAT_KEY,
+        FORMAT_VALUE,
+        HF_DCP_VERSION,
+        _gen_file_name,
+    )
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.planner import WriteItemType
+    from torch.distributed.checkpoint.storage import WriteResult
+    from torch.futures import Future as TorchFuture
+
+    class StreamingWriter(HuggingFaceStorageWriter):
+        def write_data(self, plan: Any, planner: Any) -> Any:
+            mapping, shard = plan.storage_data.get("fqn_to_index_mapping"), plan.storage_data.get("shard_index")
+            results = []
+            for index, items in self._split_by_storage_plan(mapping, plan.items).items() if plan.items else ():
+                name = _gen_file_name(index, max(mapping.values()) if mapping else 1, shard)
+                results += self._write_file(self.fs.concat_path(self.path, name), name, items, planner)
+            fut: Any = TorchFuture()
+            fut.set_result(results)
+            return fut
+
+        def _write_file(self, file_path: Any, file_name: str, items: list, planner: Any) -> list:
+            if any(item.type == WriteItemType.BYTE_IO for item in items):
+                raise TypeError("a checkpoint holds tensors only (the rest is state.json)")
+            data = {item.index.fqn: (item, planner.resolve_data(item)) for item in items}
+            shapes = {k: (tuple(t.shape), t.dtype) for k, (_, t) in data.items()}
+            offsets = {k: {"saved_offsets": list(item.tensor_data.chunk.offsets)} for k, (item, _) in data.items()}
+            meta = {CUSTOM_METADATA_KEY: json.dumps(offsets), DCP_VERSION_KEY: str(HF_DCP_VERSION)}
+            with open(file_path, "wb") as f:
+                write_safetensors(f, shapes, ((k, data[k][1]) for k in sorted(data)), meta | {FORMAT_KEY: FORMAT_VALUE})
+                f.flush()
+                os.fsync(f.fileno())
+            out = []
+            for item, t in data.values():
+                size = t.numel() * t.element_size()
+                out.append(
+                    WriteResult(index=item.index, size_in_bytes=size, storage_data=_StorageInfo(file_name, 0, size))
+                )
+            return out
+
+    return StreamingWriter(str(path), save_distributed=True, fqn_to_index_mapping=mapping)
 
 
 class CheckpointWriter:
@@ -137,11 +197,8 @@ class CheckpointWriter:
 
     def _start(self, tensors: dict[str, torch.Tensor], partial: Path, finish: Any) -> None:
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
-        writer = HuggingFaceStorageWriter(
-            str(partial), save_distributed=True, fqn_to_index_mapping=_file_index(tensors, FILES_PER_RANK)
-        )
+        writer = _storage_writer(partial, _file_index(tensors, FILES_PER_RANK))
         no_dist = self.info.backend is None
         if not self.use_async:
             try:

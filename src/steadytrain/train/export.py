@@ -9,69 +9,22 @@ the optimizer state. It is written aside and renamed: a killed export leaves no 
 
 from __future__ import annotations
 
-import json
 import logging
-import struct
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 
 from steadytrain._io import write_atomic
 from steadytrain.errors import UserError
 from steadytrain.train.checkpoint import checkpoint_at, is_legacy, load_checkpoint
-from steadytrain.train.ckptfiles import TENSOR, full_tensors, read_state, tensor_shapes
+from steadytrain.train.ckptfiles import TENSOR, full_tensors, read_state, tensor_shapes, write_safetensors
 from steadytrain.train.rundir import open_run_dir
 
-__all__ = ["export_model", "write_safetensors"]
+__all__ = ["export_model"]
 
 log = logging.getLogger("steadytrain.train")
-
-_DTYPES = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
-
-
-def write_safetensors(
-    f: BinaryIO,
-    shapes: dict[str, tuple[tuple[int, ...], torch.dtype]],
-    tensors: Iterator[tuple[str, torch.Tensor]],
-    metadata: dict[str, str],
-) -> int:
-    """Write a safetensors file to ``f``: the header from ``shapes``, then ``tensors`` in sorted key order
-    (each must match its shape and dtype). Returns the bytes of tensor data written."""
-    header: dict[str, Any] = {"__metadata__": metadata}
-    offset = 0
-    for key in sorted(shapes):
-        shape, dtype = shapes[key]
-        if dtype not in _DTYPES:
-            raise UserError(f"{key}: dtype {dtype} has no safetensors name")
-        size = dtype.itemsize * int(torch.Size(shape).numel())
-        header[key] = {"dtype": _DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
-        offset += size
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
-    f.write(struct.pack("<Q", len(text)) + text)
-    done = []
-    for key, tensor in tensors:
-        shape, dtype = shapes[key]
-        if tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype:
-            raise UserError(f"{key}: {tuple(tensor.shape)} {tensor.dtype} where the header says {shape} {dtype}")
-        f.write(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-        done.append(key)
-    if done != sorted(shapes):
-        raise UserError("the tensors written are not the header's, in its order")
-    return offset
 
 
 def _model_tensors(path: Path) -> tuple[dict[str, tuple[tuple[int, ...], torch.dtype]], Iterator, int, list[str]]:
