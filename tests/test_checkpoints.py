@@ -298,3 +298,31 @@ def test_the_train_state_round_trips_through_json_with_its_tensors():
         to_json({"obj": object()}, "state")
     with pytest.raises(UserError, match="damaged array"):
         from_json({"$array": {"dtype": "os", "shape": [1], "data": [1]}}, "state.json")
+
+
+def test_a_failed_background_write_is_reported_and_never_taken_for_a_checkpoint(tmp_path, monkeypatch):
+    from steadytrain.train import ckptsave
+    from steadytrain.train.ckptsave import CheckpointFailed, CheckpointWriter
+    from steadytrain.train.distributed import DistInfo
+
+    model = torch.nn.Linear(8, 4)
+    opt = torch.optim.AdamW(model.parameters())
+    ckpt = tmp_path / "checkpoints"
+    writer = CheckpointWriter(ckpt, DistInfo(0, 1, 0, torch.device("cpu"), None), use_async=True, keep_last=5)
+    writer.save(1, model, opt, {"step": 1}, frozenset())
+    writer.wait()
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ckptsave, "write_safetensors", full_disk)
+    writer.save(2, model, opt, {"step": 2}, frozenset())
+    with pytest.raises(CheckpointFailed, match=r"checkpoint of step 2 failed.*No space left"):
+        writer.wait()
+    assert [s for s, _ in list_checkpoints(ckpt)] == [1] and not list(ckpt.glob(".*"))  # nothing half-written
+    monkeypatch.undo()
+    writer.save(3, model, opt, {"step": 3}, frozenset())
+    writer.wait()  # the failure was reported once; the next save is whole
+    writer.close()
+    assert [s for s, _ in list_checkpoints(ckpt)] == [1, 3]
+    assert torch.equal(load_checkpoint(ckpt / "step-00000003")["model"]["weight"], model.weight.detach())

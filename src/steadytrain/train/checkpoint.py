@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -197,7 +198,9 @@ def restore(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | Non
             set_state_dict(
                 model, optimizer, model_state_dict=model_sd, optim_state_dict=join_state(state["optimizer"], tensors)
             )
-    except (RuntimeError, KeyError, ValueError, TypeError, AssertionError) as err:
+    except (RuntimeError, KeyError, ValueError, TypeError, AssertionError, OSError, CheckpointException) as err:
+        if isinstance(err, CheckpointException) and err.failures:  # DCP's wrapper: the ranks' own errors
+            err = next(iter(err.failures.values()))[0]
         raise UserError(f"{path}: the checkpoint does not load into this model/optimizer: {error_text(err)}") from None
     return state
 

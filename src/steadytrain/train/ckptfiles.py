@@ -231,8 +231,11 @@ def full_tensors(ckpt: Path, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
         md = meta.state_dict_metadata[key]
         out, covered = torch.empty(tuple(md.size), dtype=md.properties.dtype), 0
         for index, info in by_key.get(key, []):
-            with safe_open(str(ckpt / Path(info.relative_path).name), framework="pt") as f:
-                part = f.get_tensor(key)
+            try:
+                with safe_open(str(ckpt / Path(info.relative_path).name), framework="pt") as f:
+                    part = f.get_tensor(key)
+            except Exception as err:  # removed meanwhile (retention), or damaged: never a traceback
+                raise UserError(f"{ckpt}: {key} could not be read ({error_text(err, 100)})") from None
             offsets = list(index.offset or [0] * part.dim())
             shape = tuple(part.shape)
             if len(offsets) != out.dim() or any(o + s > n for o, s, n in zip(offsets, shape, out.shape, strict=True)):

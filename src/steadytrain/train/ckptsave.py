@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from steadytrain._text import error_text
@@ -163,7 +164,7 @@ class CheckpointWriter:
             t0 = time.perf_counter()
             try:
                 self._staged.result()
-            except Exception as err:  # the copy failed: the write will too; reported by wait()
+            except (Exception, CheckpointException) as err:  # the copy failed: the write will too
                 self._fail(err)
             self._staged = None
             self.blocked_s += time.perf_counter() - t0
@@ -203,7 +204,7 @@ class CheckpointWriter:
         if not self.use_async:
             try:
                 dcp.save(tensors, storage_writer=writer, no_dist=no_dist)
-            except Exception as err:
+            except (Exception, CheckpointException) as err:  # DCP's: a BaseException
                 self._fail(err)
                 failed, self.failed = self.failed, None
                 raise CheckpointFailed(failed) from None
@@ -250,6 +251,8 @@ class CheckpointWriter:
 
     def _fail(self, err: BaseException) -> None:
         step = self._pending[0] if self._pending else "?"
+        if isinstance(err, CheckpointException) and err.failures:  # DCP's wrapper: the ranks' own errors
+            err = next(iter(err.failures.values()))[0]
         self.failed = f"checkpoint of step {step} failed: {error_text(err, 200)}"
         log.error("%s; the previous complete checkpoint stays the latest", self.failed)
 
@@ -260,11 +263,13 @@ class CheckpointWriter:
             t0 = time.perf_counter()
             try:
                 self._upload.result()
-            except Exception as err:
+            except (Exception, CheckpointException) as err:  # DCP's: a BaseException
                 self._fail(err)
             self._finished.wait()  # the rename (a callback) ends after result() returns
             self._upload = None
             self.blocked_s += time.perf_counter() - t0
+        if self.failed and self._pending is not None and self.info.is_main:
+            shutil.rmtree(self._pending[1], ignore_errors=True)  # a failed save's files: never a checkpoint
         self._pending = None
         failed, self.failed = self.failed, None
         return failed
