@@ -125,7 +125,7 @@ def test_each_ranks_dropout_stream_resumes_exactly_on_two_ranks(tmp_path, data):
     assert _losses(run) == straight  # rank 1's dropout masks continue its own stream, not rank 0's
 
 
-_ASYNC_WRITER = """
+_WRITER = """
 import sys, torch
 from pathlib import Path
 from steadytrain.train.ckptsave import CheckpointWriter
@@ -134,7 +134,8 @@ model = torch.nn.Linear(3000, 3000)
 opt = torch.optim.AdamW(model.parameters(), lr=0.1)
 model(torch.ones(1, 3000)).sum().backward()
 opt.step()
-writer = CheckpointWriter(Path(sys.argv[1]), DistInfo(0, 1, 0, torch.device("cpu"), None), use_async=True, keep_last=2)
+info = DistInfo(0, 1, 0, torch.device("cpu"), None)
+writer = CheckpointWriter(Path(sys.argv[1]), info, use_async=sys.argv[2] == "async", keep_last=2)
 writer.save(1, model, opt, {"step": 1}, frozenset())
 writer.wait()
 print("first", flush=True)
@@ -143,14 +144,15 @@ for step in range(2, 1000):
 """
 
 
-def test_sigkill_during_an_async_save_leaves_the_previous_checkpoint_loadable(tmp_path):
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_sigkill_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_path, mode):
     ckpt = tmp_path / "checkpoints"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-c", _ASYNC_WRITER, str(ckpt)]
+    cmd = [sys.executable, "-c", _WRITER, str(ckpt), mode]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
     assert proc.stdout.readline().strip() == "first"
     deadline = time.monotonic() + 120
-    while not list(ckpt.glob(".step-*.partial/*.safetensors")):  # a background write is under way
+    while not list(ckpt.glob(".step-*.partial/*.safetensors")):  # a write is under way
         assert time.monotonic() < deadline and proc.poll() is None
         time.sleep(0.002)
     proc.send_signal(signal.SIGKILL)

@@ -148,15 +148,21 @@ def test_two_resumes_of_one_run_at_once_the_second_is_refused_and_a_killed_holde
     assert [r["step"] for r in _rows(run)] == [1, 2, 3, 4]
 
 
-def test_ctrl_c_writes_a_checkpoint_at_the_step_boundary_and_resume_continues_exactly(tmp_path, model_dir, data):
-    run = tmp_path / "run"
-    proc = _start(model_dir, run, data, "run.max_steps=8", "checkpoint.every_steps=100", pause=_pause(tmp_path, 5))
+def _interrupted_at(step: int, tmp_path: Path, model_dir: Path, run: Path, data: Path, *items: str) -> str:
+    """Ctrl-C during optimizer ``step`` of a new run: exit 130; its stderr."""
+    proc = _start(model_dir, run, data, *items, pause=_pause(tmp_path, step))
     _wait_for(tmp_path / "reached-0", proc)
     proc.send_signal(signal.SIGINT)
     time.sleep(0.3)
     (tmp_path / "go").touch()
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err
+    return err
+
+
+def test_ctrl_c_writes_a_checkpoint_at_the_step_boundary_and_resume_continues_exactly(tmp_path, model_dir, data):
+    run = tmp_path / "run"
+    err = _interrupted_at(5, tmp_path, model_dir, run, data, "run.max_steps=8", "checkpoint.every_steps=100")
     assert "Traceback" not in err
     assert f"--resume {run}" in err and "step 5" in err
     assert (run / "checkpoints" / "step-00000005" / "state.json").is_file()
@@ -172,13 +178,7 @@ def test_ctrl_c_on_an_evaluation_step_still_evaluates_it(tmp_path, model_dir, da
     # (a resume starts at step 6 and would never owe it), so the resumed run's evaluations are a straight run's.
     items = ["run.max_steps=8", "checkpoint.every_steps=100", "eval.holdout_shards=1", "eval.every_steps=5"]
     run = tmp_path / "run"
-    proc = _start(model_dir, run, data, *items, pause=_pause(tmp_path, 5))
-    _wait_for(tmp_path / "reached-0", proc)
-    proc.send_signal(signal.SIGINT)
-    time.sleep(0.3)
-    (tmp_path / "go").touch()
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 130, err
+    _interrupted_at(5, tmp_path, model_dir, run, data, *items)
     assert [r["step"] for r in evals(run)] == [5]
     resumed = run_cli("train", "--resume", str(run), PYTHONPATH=str(model_dir))
     assert resumed.returncode == 0, resumed.stderr
