@@ -44,7 +44,7 @@ from steadytrain.train.ckptfiles import (
     write_json,
     write_safetensors,
 )
-from steadytrain.train.distributed import DistInfo
+from steadytrain.train.distributed import DistInfo, barrier
 
 # DCP warns that a process without a process group saves/loads alone: that is the intent here (no_dist)
 warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
@@ -179,8 +179,7 @@ class CheckpointWriter:
         if self.info.is_main:
             shutil.rmtree(partial, ignore_errors=True)
             partial.mkdir(parents=True)
-        if self.info.backend is not None:
-            dist.barrier()
+        barrier(self.info)  # the directory exists before any rank writes into it
         model_sd, optim_sd = get_state_dict(model, optimizer)  # sharded: no rank gathers the full state
         tensors: dict[str, torch.Tensor] = {}
         skeleton = {
