@@ -22,6 +22,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from steadytrain.errors import UserError
@@ -104,6 +105,15 @@ def test_ddp_resumes_under_fsdp_and_back(tmp_path, data):
     run = tmp_path / "run"
     train("--nproc", "2", "--run-dir", str(run), *sets(*TINY, f"data.path={data}", *STEPS))
     straight = _losses(run)
+    keys: list[str] = []
+    for f in (run / "checkpoints" / "step-00000004").glob("*.safetensors"):
+        with safe_open(str(f), framework="pt") as opened:
+            keys += list(opened.keys())
+    assert len(keys) == len(set(keys)) > 0  # DDP's replicas: each tensor written once, not once per rank
+    assert {f.name.split("-")[1] for f in (run / "checkpoints" / "step-00000004").glob("*.safetensors")} == {
+        "00001",
+        "00002",
+    }  # and the writing is spread over both ranks
     for strategy in ("fsdp", "ddp"):
         _drop_last(run)
         train("--nproc", "2", "--resume", str(run), *sets(f"distributed.strategy={strategy}"))
