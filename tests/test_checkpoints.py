@@ -338,3 +338,19 @@ def test_a_failed_background_write_is_reported_and_never_taken_for_a_checkpoint(
     writer.close()
     assert [s for s, _ in list_checkpoints(ckpt)] == [1, 3]
     assert torch.equal(load_checkpoint(ckpt / "step-00000003")["model"]["weight"], model.weight.detach())
+
+
+def test_state_a_checkpoint_cannot_hold_is_one_error_and_no_directory(tmp_path):
+    from steadytrain.train.ckptsave import CheckpointWriter
+    from steadytrain.train.distributed import DistInfo
+
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt.param_groups[0]["rule"] = lambda p: p  # a custom optimizer's setting that is not data
+    writer = CheckpointWriter(
+        tmp_path / "ck", DistInfo(0, 1, 0, torch.device("cpu"), None), use_async=True, keep_last=2
+    )
+    with pytest.raises(UserError, match=r"checkpoint of step 1 cannot hold the run's state: .*rule: a function"):
+        writer.save(1, model, opt, {"step": 1}, frozenset())
+    writer.close()
+    assert list((tmp_path / "ck").iterdir()) == []

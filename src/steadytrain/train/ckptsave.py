@@ -44,7 +44,7 @@ from steadytrain.train.ckptfiles import (
     write_json,
     write_safetensors,
 )
-from steadytrain.train.distributed import DistInfo, barrier
+from steadytrain.train.distributed import DistInfo, agree, barrier
 
 # DCP warns that a process without a process group saves/loads alone: that is the intent here (no_dist)
 warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
@@ -170,9 +170,10 @@ class CheckpointWriter:
             self.blocked_s += time.perf_counter() - t0
 
     def save(
-        self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, train: dict[str, Any], keep: frozenset[int]
+        self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, train: Any, keep: frozenset[int]
     ) -> None:
-        """Save ``step`` (a collective: every rank calls it); ``train`` is rank 0's train state (JSON data)."""
+        """Save ``step`` (a collective: every rank calls it). ``train``: the train state (JSON data), or a function
+        rank 0 calls for it. State that cannot be written is one UserError on every rank, before any file."""
         self._drain()  # one save at a time: the previous one completes (and is renamed) first; a failure is logged
         t0 = time.perf_counter()
         partial = self.dir / f".{checkpoint_name(step)}.partial"
@@ -188,9 +189,16 @@ class CheckpointWriter:
         }
         (partial / "rng").mkdir(parents=True, exist_ok=True)
         write_json(partial / "rng" / f"rank-{self.info.rank:05d}.json", rng_state())  # each rank its own streams
-        world = self.info.world_size
-        header = {"format": FORMAT, "version": VERSION, "step": step, "world_size": world, "train": train}
-        state = to_json(header | skeleton, "checkpoint state") if self.info.is_main else None
+        header = {"format": FORMAT, "version": VERSION, "step": step, "world_size": self.info.world_size}
+        state, error = None, None
+        try:  # every rank encodes the skeleton (the same everywhere): no rank waits in the save for another
+            header["train"] = (train() if callable(train) else train) if self.info.is_main else {}
+            state = to_json(header | skeleton, "checkpoint state")
+        except TypeError as err:
+            error = f"the checkpoint of step {step} cannot hold the run's state: {err}"
+            if self.info.is_main:
+                shutil.rmtree(partial, ignore_errors=True)
+        agree(self.info, error, "to checkpoint")
         self._pending = (step, partial, keep)
         self._start(tensors, partial, lambda: self._finish(state, step, partial, keep))
         self.blocked_s += time.perf_counter() - t0

@@ -9,6 +9,7 @@ rank 0 writes the run directory, every rank appends its own non-finite events.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ from steadytrain.train.checkpoint import is_legacy, latest_checkpoint, restore
 from steadytrain.train.ckptfiles import read_rng, set_rng_state
 from steadytrain.train.ckptsave import CheckpointFailed, CheckpointWriter
 from steadytrain.train.config import TrainConfig
-from steadytrain.train.distributed import DistInfo, agree, init_distributed, teardown, wrap_model
+from steadytrain.train.distributed import DistInfo, init_distributed, teardown, wrap_model
 from steadytrain.train.evaluate import Validation, evaluate, precision_context
 from steadytrain.train.job import Interrupted, Job, TrainingStopped
 from steadytrain.train.metrics import MetricsLog, Progress
@@ -314,13 +315,7 @@ def _checkpoint(job: Job) -> None:
         job.metrics.flush()
     exposure = runfiles.write_exposure(job)
     elapsed = job.metrics.elapsed() if job.metrics else 0.0
-    train, error = {}, None
-    if job.info.is_main:
-        try:
-            train = job.state.state_dict(elapsed_s=elapsed, exposure=exposure)
-        except TypeError as err:  # every rank stops with it, none waits in the save for rank 0
-            error = f"the checkpoint of step {job.state.step} cannot hold the train state: {err}"
-    agree(job.info, error, "to checkpoint")
+    train = functools.partial(job.state.state_dict, elapsed_s=elapsed, exposure=exposure)  # rank 0 calls it
     best = job.validation.best_step if job.validation and job.cfg.checkpoint.keep_best else None
     with contextlib.suppress(CheckpointFailed):  # logged with its step; the previous one stays the latest
         job.writer.save(job.state.step, job.model, job.optimizer, train, frozenset() if best is None else {best})
