@@ -42,9 +42,6 @@ from steadytrain.train.ckptfiles import (
     tensor_shapes,
 )
 
-# DCP warns that a process without a process group saves/loads alone: that is the intent here (no_dist)
-warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-
 __all__ = [
     "checkpoint_at",
     "is_legacy",

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import random
 import struct
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -46,6 +47,10 @@ __all__ = [
     "write_json",
     "write_safetensors",
 ]
+
+# DCP warns that a process without a process group saves/loads alone: that is the intent (no_dist), once for
+# every module that saves or loads (they all import this one)
+warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
 
 FORMAT, VERSION = "steadytrain-checkpoint", 1
 TENSOR, ARRAY = "$tensor", "$array"
@@ -142,6 +147,7 @@ def write_json(path: Path, value: Any) -> None:
 
 
 def _load_json(path: Path) -> Any:
+    """Not ``_io.load_json``: that one refuses Infinity/NaN, which a train state may hold (``to_json``)."""
     try:
         return json.loads(path.read_bytes())
     except FileNotFoundError:

@@ -22,7 +22,6 @@ import os
 import shutil
 import threading
 import time
-import warnings
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -45,9 +44,6 @@ from steadytrain.train.ckptfiles import (
     write_safetensors,
 )
 from steadytrain.train.distributed import DistInfo, agree, barrier
-
-# DCP warns that a process without a process group saves/loads alone: that is the intent here (no_dist)
-warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
 
 __all__ = ["CheckpointFailed", "CheckpointWriter", "checkpoint_name", "prune"]
 
