@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from steadytrain._check import check_int
 from steadytrain._io import brief
 from steadytrain.accumulate import normalize
-from steadytrain.accumulate.events import NonFiniteEvent, NonFiniteGradientError, StepResult, UsageError
+from steadytrain.accumulate.events import SPIKE, NonFiniteEvent, NonFiniteGradientError, StepResult, UsageError
 from steadytrain.accumulate.state import Cycle
 from steadytrain.accumulate.step import (
     Reading,
@@ -197,6 +197,11 @@ class GradientAccumulator:
         self._cycle = Cycle()
         self._active: MicroBatch | None = None
         self._data_ends = False
+        self.veto: Callable[[Tensor | None], Tensor | None] | None = None
+        """Optional: called at the end of each cycle with the normalized global norm (a device tensor, or None
+        when not computed); a 0-dim bool device tensor it returns is read with the step's one host sync, and
+        True refuses the step (reason ``spike``: no update on any rank, recorded, never raised). It must give
+        every rank the same answer (build it from all-reduced values)."""
 
     # The validated settings, readable as before.
     max_grad_norm = property(lambda self: self._step.max_grad_norm)
@@ -303,7 +308,8 @@ class GradientAccumulator:
         if self.grad_scaler is not None:
             self.grad_scaler.unscale_(self.optimizer)
         norm, coef = norm_and_coefficient(self._params, factor, self._step)
-        reading = read_once(norm, totals)  # the one host sync of the step
+        veto = self.veto(norm) if self.veto is not None else None
+        reading = read_once(norm, totals, veto)  # the one host sync of the step
         self.last_grad_norm = reading.norm
         if reading.items_valid:
             self.items_seen += reading.items  # type: ignore[operator]
@@ -320,7 +326,7 @@ class GradientAccumulator:
 
     def _refuse(self, cycle: Cycle, index: int, reading: Reading, reason: str) -> StepResult:
         """No update: record the event, clear the grads, keep the scheduler; raise if the policy says so."""
-        raising = self.grad_scaler is None and self.on_nonfinite == "raise"
+        raising = self.grad_scaler is None and self.on_nonfinite == "raise" and reason != SPIKE
         event = NonFiniteEvent(
             cycle=index,
             rank=self._layout.rank,

@@ -20,6 +20,7 @@ __all__ = [
     "NO_ITEMS",
     "ON_NONFINITE",
     "REASONS",
+    "SPIKE",
     "NonFiniteEvent",
     "NonFiniteGradientError",
     "StepResult",
@@ -34,13 +35,17 @@ INVALID_ITEMS = "invalid_num_items"
 """Some micro-batch on some rank gave a negative, NaN or infinite ``num_items``."""
 NO_ITEMS = "no_items"
 """The cycle held 0 items over all ranks: there is no mean to step on."""
-REASONS = (NONFINITE_NORM, INVALID_ITEMS, NO_ITEMS)
+SPIKE = "spike"
+"""The step's loss or gradient norm was far out of line with the previous steps' (:mod:`steadytrain.guard`), and
+the caller's ``veto`` refused it: a finite step, recorded with the spike ledger, never raised."""
+REASONS = (NONFINITE_NORM, INVALID_ITEMS, NO_ITEMS, SPIKE)
 
 _EXPLAIN = {
     NONFINITE_NORM: "non-finite global gradient norm",
     INVALID_ITEMS: "a negative, NaN or infinite num_items on some micro-batch of some rank "
     "(give each micro-batch its count of items, >= 0)",
     NO_ITEMS: "the cycle held 0 items on every rank (there is no mean to step on)",
+    SPIKE: "loss spike (far above the running median)",
 }
 
 
@@ -116,6 +121,8 @@ class NonFiniteEvent:
         what = _EXPLAIN.get(self.reason, self.reason)
         if self.reason == NONFINITE_NORM:
             what = f"{what} {self.grad_norm}"
+        elif self.reason == SPIKE:
+            what = f"step refused: {what}; global gradient norm {self.grad_norm:.4g}"
         else:
             what = f"step refused: {what} (global num_items total {self.num_items})"
         where = f" at optimizer step {optimizer_step}" if optimizer_step is not None else ""

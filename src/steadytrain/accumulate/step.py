@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from steadytrain._check import check_finite
-from steadytrain.accumulate.events import INVALID_ITEMS, NO_ITEMS, NONFINITE_NORM, ON_NONFINITE
+from steadytrain.accumulate.events import INVALID_ITEMS, NO_ITEMS, NONFINITE_NORM, ON_NONFINITE, SPIKE
 from steadytrain.clip import (
     _check_eps,
     _check_norm_type,
@@ -119,23 +119,25 @@ class Reading:
     """The global item count (None without ``num_items``)."""
     invalid: float = 0.0
     """0 when every item count on every rank was finite and >= 0; positive or NaN otherwise."""
+    vetoed: bool = False
+    """The caller's ``veto`` flag (a loss spike) was set."""
 
     @property
     def items_valid(self) -> bool:
         return self.items is not None and self.invalid == 0 and math.isfinite(self.items) and self.items >= 0
 
 
-def read_once(norm: Tensor | None, totals: Tensor | None) -> Reading:
-    """The one host sync per optimizer step (skip or step must be decided): norm and item counts together."""
-    if norm is not None and totals is not None:
-        value, items, invalid = torch.cat([norm.to(totals.dtype).reshape(1), totals]).tolist()
-        return Reading(value, items, invalid)
-    if norm is not None:
-        return Reading(float(norm))
-    if totals is not None:
-        items, invalid = totals.tolist()
-        return Reading(math.nan, items, invalid)
-    return Reading(math.nan)
+def read_once(norm: Tensor | None, totals: Tensor | None, veto: Tensor | None = None) -> Reading:
+    """The one host sync per optimizer step (skip or step must be decided): norm, item counts and the
+    caller's veto flag together."""
+    if totals is None and veto is None:
+        return Reading(math.nan if norm is None else float(norm))
+    parts = [t.reshape(-1).double() for t in (norm, totals, veto) if t is not None]
+    values = torch.cat([t.to(parts[0].device) for t in parts]).tolist()
+    value = values.pop(0) if norm is not None else math.nan
+    items, invalid = (values.pop(0), values.pop(0)) if totals is not None else (None, 0.0)
+    vetoed = bool(values.pop(0)) if veto is not None else False
+    return Reading(value, items, invalid, vetoed)
 
 
 def refusal(reading: Reading, cfg: StepConfig) -> str | None:
@@ -143,7 +145,7 @@ def refusal(reading: Reading, cfg: StepConfig) -> str | None:
 
     Item counts that cannot normalize (negative, NaN, inf, or 0 in all) always refuse, whatever the
     policy: stepping would be gradient ascent, a NaN update, or a step on no data. A non-finite norm
-    refuses unless ``on_nonfinite="ignore"`` (and no ``GradScaler``).
+    refuses unless ``on_nonfinite="ignore"`` (and no ``GradScaler``). Last, the caller's veto (a spike).
     """
     if reading.items is not None:
         if not reading.items_valid:
@@ -152,7 +154,7 @@ def refusal(reading: Reading, cfg: StepConfig) -> str | None:
             return NO_ITEMS
     if cfg.guard and not math.isfinite(reading.norm):
         return NONFINITE_NORM
-    return None
+    return SPIKE if reading.vetoed else None
 
 
 def _apply_coefficient(

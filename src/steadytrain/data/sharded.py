@@ -220,6 +220,13 @@ class ShardedDataset(IterableDataset):
         mode = self._batched("num_examples")
         return mode.steps_per_epoch * mode.layout.global_batch_size + mode.dropped_per_epoch
 
+    @property
+    def global_step(self) -> int:
+        """Batched mode: the global batch (0-based, counted over epochs: ``epoch x steps_per_epoch + step``) that
+        the micro-batch yielded last belongs to; a training loop names the batches it skips by it."""
+        mode = self._batched("global_step")
+        return mode.epoch * mode.steps_per_epoch + max(mode.micro - 1, 0) // mode.layout.accumulation_steps
+
     def iter_positions(self, ranges: Iterable[tuple[int, int, int]]) -> Iterator[tuple[int, dict[str, Any]]]:
         """Batched mode: ``(key, columns)`` for each ``(key, start, stop)`` range of the epoch's global order
         (increasing, not overlapping), whatever this rank's own micro-batches are (evaluation reads its

@@ -27,11 +27,25 @@ from steadytrain.accumulate import NonFiniteEvent
 from steadytrain.accumulate.events import REASONS
 from steadytrain.errors import UserError
 
-__all__ = ["EXPOSURE", "LEDGER", "append_event", "event_record", "read_exposure", "read_ledger"]
+__all__ = [
+    "EXPOSURE",
+    "LEDGER",
+    "SPIKES",
+    "append_event",
+    "append_spike",
+    "event_record",
+    "outliers",
+    "read_exposure",
+    "read_ledger",
+]
 
 log = logging.getLogger("steadytrain.diagnose")
 
 LEDGER = "nonfinite.jsonl"
+SPIKES = "spikes.jsonl"
+"""The spike ledger: the same records (one event type, ``reason: spike``), plus the statistics the step was
+judged by and each micro-batch's per-example losses; ``nonfinite`` in a spike's micro-batch names its
+*outlying* examples (see :func:`outliers`)."""
 EXPOSURE = "exposure.json"
 _EVENT_KEYS = ("cycle", "rank", "grad_norm", "micro_steps", "nonfinite_micro_batches", "tags", "action", "reason")
 
@@ -99,6 +113,47 @@ def event_record(event: NonFiniteEvent, step: int) -> dict[str, Any]:
 def append_event(path: str | Path, event: NonFiniteEvent, step: int) -> dict[str, Any]:
     """Append ``event``'s line to the ledger (one write, fsync) and return it."""
     record = event_record(event, step)
+    append_jsonl(path, record)
+    return record
+
+
+def outliers(
+    losses: list[list[float] | None], means: list[float], limit: float
+) -> tuple[list[list[int] | None], list[int]]:
+    """The examples (per micro-batch positions) and micro-batches that make a step a spike on this rank.
+
+    The largest per-example losses are taken, one by one, while the mean of those left is above ``limit``
+    (the loss the step would have had to stay under) and the next one is above it too: the fewest examples
+    without which this rank's share of the step is not out of line. A micro-batch without per-example losses
+    (the model returns a scalar) is flagged as a whole when its mean is above ``limit``.
+    """
+    flat = sorted(
+        ((v, i, j) for i, mb in enumerate(losses) if mb is not None for j, v in enumerate(mb)),
+        key=lambda t: -t[0] if math.isfinite(t[0]) else -math.inf,
+    )
+    left, total = len(flat), math.fsum(v for v, _, _ in flat if math.isfinite(v))
+    out: list[list[int] | None] = [None if mb is None else [] for mb in losses]
+    for v, i, j in flat:
+        if not left or not (math.isfinite(v) and v > limit and total / left > limit):
+            break
+        out[i].append(j)  # type: ignore[union-attr]
+        left, total = left - 1, total - v
+    whole = [i for i, (mb, m) in enumerate(zip(losses, means, strict=True)) if mb is None and m > limit]
+    return [sorted(o) if o is not None else None for o in out], whole
+
+
+def append_spike(path: str | Path, event: NonFiniteEvent, step: int, judged: dict[str, Any]) -> dict[str, Any]:
+    """Append a spike's line (``event_record`` plus ``judged``: metric, value, threshold, median, mad, loss,
+    batch, rollback_to, and per micro-batch ``losses``/``mean``) with its outlying examples; return it."""
+    record = event_record(event, step)
+    tags = [t if isinstance(t, dict) else {} for t in event.tags]
+    losses = [_plain(t["losses"]) if isinstance(t.get("losses"), torch.Tensor) else None for t in tags]
+    means = [float(t["loss"]) if isinstance(t.get("loss"), torch.Tensor) else math.nan for t in tags]
+    flagged, whole = outliers(losses, means, judged["loss_limit"])
+    for mb, ex, m, bad in zip(record["tags"], losses, means, flagged, strict=True):
+        ex = None if ex is None else [v if math.isfinite(v) else str(v) for v in ex]  # JSON has no NaN
+        mb.update(losses=ex, mean=m if math.isfinite(m) else None, nonfinite=bad)
+    record.update(kind="spike", nonfinite_micro_batches=whole, **judged)
     append_jsonl(path, record)
     return record
 
@@ -184,21 +239,24 @@ def _event(record: Any, where: str) -> tuple[int, NonFiniteEvent]:
         raise UserError(f"{where}: {err}; {LEDGER_FIX}") from None
 
 
-def read_ledger(run_dir: str | Path) -> list[tuple[int, NonFiniteEvent]]:
-    """Every ``(step, event)`` of the run's ledger, in file order; none if it has no ledger.
+def read_ledger(run_dir: str | Path, name: str = LEDGER) -> list[tuple[int, NonFiniteEvent]]:
+    """Every ``(step, event)`` of the run's ledger ``name`` (:data:`LEDGER` or :data:`SPIKES`), in file order;
+    none if it has no such ledger.
 
     A last line cut short (the process was killed in the middle of its write) is skipped with a warning
     (:func:`~steadytrain._io.read_jsonl`, the project's one rule for a torn record).
 
     Raises:
-        UserError: a line that is not a non-finite event, or one with a field of the wrong type or out of
-            range (the message names the file, the line and the key).
+        UserError: a line that is not an event, or one with a field of the wrong type or out of range (the
+            message names the file, the line and the key).
     """
-    path = Path(run_dir) / LEDGER
+    path = Path(run_dir) / name
     out, seen = [], {}
-    for n, record in read_jsonl(path, what="non-finite ledger"):
+    for n, record in read_jsonl(path, what="spike ledger" if name == SPIKES else "non-finite ledger"):
         step, event = _event(record, f"{path}: line {n}")
-        first = seen.setdefault((step, event.rank), n)
+        # A spike rolled back and its step number trained again on the next batch: the batch tells them apart.
+        key = (step, event.rank, record.get("batch") if name == SPIKES else None)
+        first = seen.setdefault(key, n)
         if first != n:  # one line per rank per refused step: a copy would count its examples twice
             raise UserError(f"{path}: line {n}: step {step} of rank {event.rank} is on line {first} too; {LEDGER_FIX}")
         out.append((step, event))

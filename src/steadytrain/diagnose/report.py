@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from steadytrain.accumulate import NonFiniteEvent
-from steadytrain.diagnose.ledger import read_exposure, read_ledger
+from steadytrain.diagnose.ledger import LEDGER, SPIKES, read_exposure, read_ledger
 from steadytrain.diagnose.stats import binomial_sf
 from steadytrain.errors import UserError
 
@@ -37,6 +37,12 @@ __all__ = ["ALPHA", "NonFiniteReport", "ShardStats", "report"]
 
 ALPHA = 1e-3
 """Family-wise significance level of the shard test (Bonferroni over the shards tested)."""
+
+_WORDS = {
+    LEDGER: {"steps": "non-finite steps", "losses": "non-finite example losses", "command": "nan"},
+    SPIKES: {"steps": "loss spikes", "losses": "outlying example losses", "command": "spikes"},
+}
+"""The same test over the two ledgers: a spike's flagged examples are its outliers (:func:`.ledger.outliers`)."""
 
 
 @dataclass
@@ -155,15 +161,17 @@ def _covered(steps: dict[int, _Step], shards: set[int]) -> int:
     return sum(1 for st in steps.values() if set(st.flagged or st.in_play) & shards)
 
 
-def _sentence(verdict: str, suspects: list[ShardStats], stats: list[ShardStats], steps: dict, exp: Any) -> str:
+def _sentence(
+    verdict: str, suspects: list[ShardStats], stats: list[ShardStats], steps: dict, exp: Any, words: dict[str, str]
+) -> str:
     nsteps = len(steps)
     if verdict == "none":
-        return "none: the ledger records no non-finite step"
+        return f"none: the ledger records no {words['steps'][:-1]}"
     if verdict == "spread":
         best = stats[0] if stats else None
         tail = f"smallest tail p = {best.p_value:.2g} (shard {best.shard})" if best else "no shard data"
         return (
-            f"spread: {nsteps} non-finite step(s) over {len({s.shard for s in stats if s.events})} shard(s), "
+            f"spread: {nsteps} {words['steps']} over {len({s.shard for s in stats if s.events})} shard(s), "
             f"no shard beyond chance ({tail}; threshold {ALPHA:g}/{max(len(stats), 1)} shards): "
             "look at the learning rate, clipping and precision first"
         )
@@ -175,19 +183,21 @@ def _sentence(verdict: str, suspects: list[ShardStats], stats: list[ShardStats],
     expected = sum(s.expected for s in suspects)
     p = min(s.p_value for s in suspects)
     return (
-        f"shard-selective: {involved} of {nsteps} non-finite steps involve {names}{share}; "
-        f"{k} non-finite example losses came from it where its share of the batches in play predicts {expected:.1f} "
+        f"shard-selective: {involved} of {nsteps} {words['steps']} involve {names}{share}; "
+        f"{k} {words['losses']} came from it where its share of the batches in play predicts {expected:.1f} "
         f"(binomial tail p = {p:.2g}, threshold {ALPHA:g}/{len(stats)} shards); inspect its data first "
-        f"(steadytrain nan hunt RUN --shard {suspects[0].shard})"
+        f"(steadytrain {words['command']} hunt RUN --shard {suspects[0].shard})"
     )
 
 
-def report(run_dir: str | Path) -> NonFiniteReport:
-    """Attribute a run's non-finite steps to shards and give a verdict (see the module docstring).
+def report(run_dir: str | Path, ledger: str = LEDGER) -> NonFiniteReport:
+    """Attribute a run's non-finite steps (or loss spikes) to shards and give a verdict (see the module docstring).
 
     Args:
         run_dir: a run directory written by ``steadytrain train`` (or any directory holding a
             ``nonfinite.jsonl`` ledger and, optionally, ``exposure.json``).
+        ledger: :data:`~.ledger.LEDGER` (non-finite steps) or :data:`~.ledger.SPIKES` (loss spikes: the same
+            test, a spike's outlying examples in place of the non-finite ones).
 
     Returns:
         The verdict (``shard-selective``, ``spread`` or ``none``), the suspects, per-shard numbers,
@@ -204,7 +214,9 @@ def report(run_dir: str | Path) -> NonFiniteReport:
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise UserError(f"{run_dir}: no such run directory")
-    events = read_ledger(run_dir)
+    if ledger not in _WORDS:
+        raise UserError(f"ledger={ledger!r}: use {LEDGER} or {SPIKES}")
+    events = read_ledger(run_dir, ledger)
     exposure = read_exposure(run_dir)
     steps = _by_step(events)
     ranks = {r: 0 for r in sorted({e.rank for _, e in events})}
@@ -221,7 +233,7 @@ def report(run_dir: str | Path) -> NonFiniteReport:
     else:
         verdict = "spread"
     suspects = suspects if verdict == "shard-selective" else []
-    sentence = _sentence(verdict, suspects, stats, steps, exposure)
+    sentence = _sentence(verdict, suspects, stats, steps, exposure, _WORDS[ledger])
     stats.sort(key=lambda st: (-st.events, st.shard))
     return NonFiniteReport(
         verdict, [s.shard for s in suspects], stats, ranks, sentence, sorted(steps), localized, ALPHA

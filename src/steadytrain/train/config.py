@@ -145,6 +145,24 @@ class NonFiniteConfig(_Section):
     """Stop (exit non-zero, report written) after this many skipped steps in a row."""
 
 
+class SpikeConfig(_Section):
+    policy: Literal["off", "warn", "skip", "rollback"] = "warn"
+    """On a loss spike: nothing (``off``), record it (``warn``), refuse the update on every rank (``skip``), or
+    restore the latest checkpoint before it and continue without its batches (``rollback``)."""
+    metric: Literal["loss", "grad_norm", "both"] = "loss"
+    """What is watched: the global step loss, the global gradient norm, or both (either fires)."""
+    window: int = Field(default=50, ge=2, le=100_000)
+    """Previous optimizer steps the median and MAD are over; nothing is flagged before this many."""
+    threshold: float = Field(default=30.0, ge=0, allow_inf_nan=False)
+    """A spike exceeds the window's median by more than this many median absolute deviations ..."""
+    min_ratio: float = Field(default=3.0, ge=0, allow_inf_nan=False)
+    """... and is at least this many times the median."""
+    skip_batches: int = Field(default=1, ge=1, le=MAX_COUNT)
+    """``rollback``: global batches skipped, those of the steps that ended at the spike."""
+    max_rollbacks: int = Field(default=3, ge=1, le=MAX_COUNT)
+    """``rollback``: stop the run (exit non-zero, report written) at the spike that would need one more."""
+
+
 class EnvConfig(_Section):
     contract: str | None = None
     """A reproducibility contract checked on every rank at start."""
@@ -215,6 +233,7 @@ class TrainConfig(_Section):
     """Autocast dtype for forward passes (fp16 adds a GradScaler)."""
     distributed: DistributedConfig = DistributedConfig()
     nonfinite: NonFiniteConfig = NonFiniteConfig()
+    spike: SpikeConfig = SpikeConfig()
     env: EnvConfig = EnvConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     eval: EvalConfig = EvalConfig()

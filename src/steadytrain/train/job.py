@@ -18,6 +18,7 @@ from steadytrain.train.evaluate import Validation
 from steadytrain.train.metrics import MetricsLog
 from steadytrain.train.rundir import RunDir
 from steadytrain.train.setup import RunPlan
+from steadytrain.train.spikes import SpikeGuard
 from steadytrain.train.state import TrainState
 from steadytrain.train.stop import StopRequest
 
@@ -70,5 +71,8 @@ class Job:
     state: TrainState | None = None
     """The step, epoch, counters and the stateful parts a checkpoint saves."""
     writer: CheckpointWriter | None = None
+    spikes: SpikeGuard | None = None
+    step_micros: int = 0
+    """Micro-batches of the open cycle so far (the step loss is their mean)."""
     ended: str | None = None
     """Why a run that succeeded ended before its last planned step (early stopping)."""

@@ -17,10 +17,10 @@ from typing import Any
 import torch
 
 from steadytrain.accumulate import NonFiniteGradientError
+from steadytrain.accumulate.events import SPIKE
 from steadytrain.errors import UserError
 from steadytrain.train import runfiles
-from steadytrain.train.checkpoint import is_legacy, latest_checkpoint, restore
-from steadytrain.train.ckptfiles import read_rng, set_rng_state
+from steadytrain.train.checkpoint import latest_checkpoint, restore
 from steadytrain.train.ckptsave import CheckpointFailed, CheckpointWriter
 from steadytrain.train.config import TrainConfig
 from steadytrain.train.distributed import DistInfo, init_distributed, teardown, wrap_model
@@ -28,6 +28,7 @@ from steadytrain.train.evaluate import Validation, evaluate, precision_context
 from steadytrain.train.job import Interrupted, Job, TrainingStopped
 from steadytrain.train.metrics import MetricsLog, Progress
 from steadytrain.train.models import build_model, check_losses
+from steadytrain.train.recover import ROLLED_BACK, keep_for_rollback, restore_rng, rollback
 from steadytrain.train.resume import apply_hyperparameters, hyperparameters
 from steadytrain.train.setup import (
     build_accumulator,
@@ -39,6 +40,7 @@ from steadytrain.train.setup import (
     model_context,
     resolve_plan,
 )
+from steadytrain.train.spikes import SpikeGuard
 from steadytrain.train.state import TrainState
 from steadytrain.train.stop import StopRequest
 
@@ -91,7 +93,10 @@ def _build(cfg: TrainConfig, info: DistInfo, run_dir: Path | None, resume: Path 
     job = Job(cfg, info, plan, run, model, optimizer, acc, ds, scaler, lock=lock, changes=changes)
     if evalset is not None:
         job.validation = Validation(evalset, cfg.eval.every_steps, cfg.eval.patience)
-    job.state = TrainState(acc.scheduler, acc, ds, scaler, job.validation)
+    job.spikes = SpikeGuard(cfg.spike, info, run.spikes, warmup_steps=plan.warmup_steps)
+    if job.spikes.decides:  # the flag is read with the gradient norm, in the step's one host read
+        acc.veto = lambda norm: job.spikes.veto(job.state.step + 1, job.step_loss / job.step_micros, norm)
+    job.state = TrainState(acc.scheduler, acc, ds, scaler, job.validation, job.spikes)
     job.writer = CheckpointWriter(
         run.checkpoints, info, use_async=cfg.checkpoint.async_, keep_last=cfg.checkpoint.keep_last
     )
@@ -115,43 +120,13 @@ def _resume(job: Job) -> None:
     saved = restore(path, job.model, job.optimizer, no_dist=job.info.backend is None)  # each rank its shards
     job.state.load_state_dict(saved["train"], is_main=job.info.is_main)
     apply_hyperparameters(job.optimizer, job.acc.scheduler, configured)  # a new LR or schedule applies from here
-    _restore_rng(job, path, saved)
+    restore_rng(job, path, saved)
     if job.validation is not None and (ended := job.validation.ended(job.state.step)):
         raise UserError(f"--resume {job.run.path}: {ended}")  # nothing written yet: the run stays as it was
     if job.info.is_main:
-        runfiles.truncate_logs(job.run, job.state.step)
+        runfiles.truncate_logs(job.run, job.state.step, rollbacks=job.spikes.rollbacks)
         runfiles.record_resume(job, path.name)
         log.info("resumed %s at step %d from %s", job.run.path, job.state.step, path.name)
-
-
-def _restore_rng(job: Job, path: Path, saved: dict[str, Any]) -> None:
-    """Each rank's generator states as saved; on another world size (or from a single-file checkpoint of an
-    earlier version, which kept rank 0's torch CPU state alone) streams derived from the seed, said once."""
-    from steadytrain.env import seed_everything
-
-    info, step = job.info, job.state.step
-    if is_legacy(path):
-        torch.set_rng_state(saved["rng"])
-        if info.world_size > 1 and info.is_main:
-            log.warning("resume: %s keeps rank 0's torch CPU random state alone: every rank continues it", path.name)
-        return
-    same = saved["world_size"] == info.world_size
-    rng = read_rng(path, info.rank) if same else None
-    if rng is not None:
-        set_rng_state(rng, str(path / "rng"))
-        return
-    seed_everything((job.cfg.run.seed * 1_000_003 + step * 1_009 + info.rank) % 2**63, job.cfg.run.deterministic)
-    if info.is_main or same:
-        why = (
-            f"the checkpoint holds no random state for rank {info.rank}"
-            if same
-            else f"the checkpoint was saved on {saved['world_size']} rank(s), this run has {info.world_size}"
-        )
-        log.warning(
-            "resume: %s: random streams are derived anew from run.seed, the step and the rank (random layers do not "
-            "continue the saved streams)",
-            why,
-        )
 
 
 def _run(job: Job) -> dict[str, Any]:
@@ -165,8 +140,11 @@ def _run(job: Job) -> dict[str, Any]:
         total_steps=total,
         elapsed_before=job.state.elapsed_before,
         progress=progress,
+        spikes=job.spikes if job.spikes.collects else None,
     )
     runfiles.log_start(job)
+    if job.cfg.spike.policy == "rollback" and latest_checkpoint(job.run.checkpoints) is None:
+        _checkpoint(job)  # the state a spike before the first periodic checkpoint rolls back to
     stopped = None
     try:
         stopped = _steps(job)
@@ -204,6 +182,8 @@ def _steps(job: Job) -> str | None:
             job.ds.set_epoch(job.state.epoch)
         resumed = False
         for mb in job.ds:
+            if job.spikes.skips(job.ds.global_step):
+                continue  # a batch a rolled-back spike ended at: never trained on
             try:
                 result, loss = _micro_batch(job, mb)
             except NonFiniteGradientError:  # nonfinite.policy=raise: every rank decided the same
@@ -211,9 +191,13 @@ def _steps(job: Job) -> str | None:
             if result is None:
                 continue
             reason = _after_step(job, result, loss)
+            if reason is ROLLED_BACK:
+                resumed = True  # the data continues from the checkpoint's position
+                break
             if reason or job.state.step >= total:
                 return reason
-        job.state.epoch += 1
+        else:
+            job.state.epoch += 1
     return None
 
 
@@ -242,23 +226,39 @@ def _micro_batch(job: Job, mb: dict[str, Any]) -> tuple[Any, torch.Tensor]:
     autocast = precision_context(dev, job.cfg.precision)
     job.lr = job.optimizer.param_groups[0]["lr"]
     tag: dict[str, Any] = {"shard": shard, "index": index, "losses": None}
+    if job.spikes.collects:
+        job.spikes.tags.append(tag)
     with job.acc.micro_batch(tag=tag) as m:
         with autocast:
             out = job.model(batch)
         loss = check_losses(out, len(index)).float().mean()
         if out.dim() == 1:
             tag["losses"] = out.detach()  # per-example; its flags are computed only if the step is refused
+        tag["loss"] = loss.detach()
         m.backward(loss)
-    job.step_loss = loss.detach() if m.position == 0 else job.step_loss + loss.detach()
+        # before the with block ends (and the cycle with it): the accumulator's veto judges the step loss
+        job.step_loss = loss.detach() if m.position == 0 else job.step_loss + loss.detach()
+        job.step_micros = m.position + 1
     if m.result is None:
         return None, job.step_loss
-    return m.result, job.step_loss / (m.position + 1)  # the step's mean loss: divided once per step
+    return m.result, job.step_loss / job.step_micros  # the step's mean loss: divided once per step
 
 
 def _after_step(job: Job, result: Any, loss: torch.Tensor) -> str | None:
     job.state.step += 1
-    job.metrics.add(job.state.step, loss, job.lr, result.grad_norm, not result.stepped)
-    if result.stepped:
+    spike = not result.stepped and job.acc.nonfinite_events[-1].reason == SPIKE
+    if spike and job.cfg.spike.policy == "rollback":
+        outcome = rollback(job, job.acc.nonfinite_events[-1])
+        if outcome is not ROLLED_BACK:  # spike.max_rollbacks: the refused step is the run's last
+            job.metrics.add(job.state.step, loss, job.lr, result.grad_norm, True, True)
+        return outcome
+    job.spikes.end_step(job.state.step, job.acc, result.grad_norm, job.ds.global_step)
+    job.metrics.add(job.state.step, loss, job.lr, result.grad_norm, not result.stepped, spike)
+    if spike:
+        job.spikes.record(
+            job.state.step, job.acc.nonfinite_events[-1], job.spikes.limits, job.ds.global_step, action="skip"
+        )
+    elif result.stepped:
         job.state.consecutive_skips = 0
     else:
         job.state.consecutive_skips += 1
@@ -316,6 +316,7 @@ def _checkpoint(job: Job) -> None:
     exposure = runfiles.write_exposure(job)
     elapsed = job.metrics.elapsed() if job.metrics else 0.0
     train = functools.partial(job.state.state_dict, elapsed_s=elapsed, exposure=exposure)  # rank 0 calls it
-    best = job.validation.best_step if job.validation and job.cfg.checkpoint.keep_best else None
+    keep = {job.validation.best_step} if job.validation and job.cfg.checkpoint.keep_best else set()
+    keep |= keep_for_rollback(job)
     with contextlib.suppress(CheckpointFailed):  # logged with its step; the previous one stays the latest
-        job.writer.save(job.state.step, job.model, job.optimizer, train, frozenset() if best is None else {best})
+        job.writer.save(job.state.step, job.model, job.optimizer, train, frozenset(keep - {None}))

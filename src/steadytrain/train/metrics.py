@@ -40,6 +40,7 @@ class _Pending:
     grad_norm: float
     skipped: bool
     t: float
+    spike: bool = False
 
 
 @dataclass
@@ -57,6 +58,8 @@ class MetricsLog:
     _t0: float = field(default_factory=time.perf_counter)
     _t_last: float = field(default_factory=time.perf_counter)
     last: dict[str, Any] = field(default_factory=dict)
+    spikes: Any = None
+    """A ``warn`` :class:`~steadytrain.train.spikes.SpikeGuard`: judges the interval's losses, read with them."""
     _tb: Any = None
 
     def __post_init__(self) -> None:
@@ -68,8 +71,10 @@ class MetricsLog:
             else:
                 self._tb = SummaryWriter(str(self.run.path / "tensorboard"))
 
-    def add(self, step: int, loss: torch.Tensor, lr: float, grad_norm: float, skipped: bool) -> None:
-        self._pending.append(_Pending(step, loss.detach().float(), lr, grad_norm, skipped, time.perf_counter()))
+    def add(
+        self, step: int, loss: torch.Tensor, lr: float, grad_norm: float, skipped: bool, spike: bool = False
+    ) -> None:
+        self._pending.append(_Pending(step, loss.detach().float(), lr, grad_norm, skipped, time.perf_counter(), spike))
 
     def add_eval(self, row: dict[str, Any]) -> None:
         """An evaluation's row (:meth:`EvalResult.row`), after the training rows up to its step (every rank
@@ -95,7 +100,18 @@ class MetricsLog:
         if self.info.backend is not None:
             dist.all_reduce(losses, op=dist.ReduceOp.SUM)
             losses /= self.info.world_size
-        values = losses.tolist()  # host sync: once per logging interval
+        steps = [p.step for p in self._pending]
+        if self.spikes is not None:  # the spike flags ride on this read: no host read of their own
+            flags = self.spikes.judge(
+                steps, losses, [p.grad_norm for p in self._pending], [p.skipped for p in self._pending]
+            )
+            values = torch.cat([losses, flags.to(losses.dtype)]).tolist()  # host sync: once per logging interval
+            values, flagged = values[: len(steps)], [f > 0 for f in values[len(steps) :]]
+            for p in (p for p, f in zip(self._pending, flagged, strict=True) if f):
+                p.spike = True
+            self.spikes.judged(steps, flagged)
+        else:
+            values = losses.tolist()  # host sync: once per logging interval
         rows = []
         for p, loss in zip(self._pending, values, strict=True):
             rows.append(self._row(p, loss, self.items_per_step / max(p.t - self._t_last, 1e-9)))
@@ -111,7 +127,7 @@ class MetricsLog:
 
     def _row(self, p: _Pending, loss: float, rate: float) -> dict[str, Any]:
         clipped = self.max_grad_norm is not None and math.isfinite(p.grad_norm) and p.grad_norm > self.max_grad_norm
-        return {
+        row = {
             "step": p.step,
             "loss": _finite_or_none(loss),
             "lr": p.lr,
@@ -122,6 +138,7 @@ class MetricsLog:
             "items_per_s": round(rate, 3),
             "elapsed_s": round(self.elapsed_before + p.t - self._t0, 3),
         }
+        return row | {"spike": True} if p.spike else row
 
     def _to_tensorboard(self, rows: list[dict[str, Any]]) -> None:
         if self._tb is None:

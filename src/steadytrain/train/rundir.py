@@ -36,6 +36,7 @@ class RunDir:
     env = property(lambda self: self.path / "env.json")
     metrics = property(lambda self: self.path / "metrics.jsonl")
     nonfinite = property(lambda self: self.path / "nonfinite.jsonl")
+    spikes = property(lambda self: self.path / "spikes.jsonl")
     exposure = property(lambda self: self.path / "exposure.json")
     data = property(lambda self: self.path / "data.json")
     checkpoints = property(lambda self: self.path / "checkpoints")

@@ -72,11 +72,13 @@ def check_run_files(run: RunDir, plan: dict[str, Any]) -> None:
     """Before a resume appends to them: every log and record of the run as its readers check them (a
     damaged line is one error naming file and line, never carried on under new rows)."""
     from steadytrain.diagnose import read_exposure, read_ledger
+    from steadytrain.diagnose.ledger import SPIKES
 
     check_plan(plan, str(run.plan))
     read_metrics(run.metrics)
     read_resumes(run.resumes)
     read_ledger(run.path)
+    read_ledger(run.path, SPIKES)
     read_exposure(run.path)
 
 
@@ -172,14 +174,23 @@ def record_environment(info: DistInfo, run: RunDir, manifest: Any, *, resume: bo
             log.warning("rank %d differs from rank 0: %s", r, fields)
 
 
-def truncate_logs(run: RunDir, step: int) -> None:
-    """Drop log lines past ``step`` (written after the checkpoint a resume starts from) and a torn last line."""
-    for path in (run.metrics, run.nonfinite):
-        if not path.exists():
+def truncate_logs(run: RunDir, step: int, *, rollbacks: int | None) -> None:
+    """Drop log lines past ``step`` (written after the checkpoint a resume or a rollback starts from) and a torn
+    last line. A rollback's lines (its metrics row, its spike records) stay when the state at ``step`` had been
+    through it (``rollbacks``: how many it had; None: all of them, the state of a rollback in progress)."""
+
+    def keep(row: Any) -> bool:
+        if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+            return True
+        if "rollback" in row and isinstance(row["rollback"], int):
+            return rollbacks is None or row["rollback"] <= rollbacks
+        return row["step"] <= step
+
+    for path in (run.metrics, run.nonfinite, run.spikes):
+        if not path.exists() or (path == run.spikes and rollbacks is None):
             continue
         rows = read_jsonl(path, what=path.name)
-        keep = [r for _, r in rows if not (isinstance(r, dict) and isinstance(r.get("step"), int) and r["step"] > step)]
-        write_text_atomic(path, "".join(json.dumps(r, allow_nan=False) + "\n" for r in keep))
+        write_text_atomic(path, "".join(json.dumps(r, allow_nan=False) + "\n" for _, r in rows if keep(r)))
 
 
 def record_resume(job: Job, checkpoint: str) -> None:

@@ -30,6 +30,7 @@ __all__ = [
     "check_plan",
     "check_resume",
     "is_eval_row",
+    "is_rollback_row",
     "read_metrics",
     "read_resumes",
 ]
@@ -90,7 +91,15 @@ METRICS: dict[str, tuple[str, bool]] = {
     "items": ("count", True),
     "items_per_s": ("nonnegative", True),
     "elapsed_s": ("nonnegative", True),
+    "spike": ("flag", True),
 }
+ROLLBACK: dict[str, tuple[str, bool]] = {
+    "rollback_to": ("count", False),
+    "skipped_batches": ("shard list", False),
+    "rollback": ("positive", True),
+}
+"""A spike's rollback (``spike.policy: rollback``): the step it happened at, the checkpoint's step, the global
+batches passed over. Not a training row: the rows after it start again after ``rollback_to``."""
 EVAL: dict[str, tuple[str, bool]] = {
     "val_loss": ("number", True),
     "val_items": ("count", False),
@@ -172,6 +181,11 @@ def is_eval_row(row: dict[str, Any]) -> bool:
     return "val_loss" in row
 
 
+def is_rollback_row(row: Any) -> bool:
+    """A spike rollback's row (``step``, ``rollback_to``, ``skipped_batches``)."""
+    return isinstance(row, dict) and "rollback_to" in row
+
+
 def check_metrics_row(row: Any, where: str, after: int) -> dict[str, Any]:
     """One ``metrics.jsonl`` row: an integer ``step`` above ``after`` (the previous row of its kind: training
     step or evaluation), typed metrics."""
@@ -183,7 +197,10 @@ def check_metrics_row(row: Any, where: str, after: int) -> dict[str, Any]:
         raise UserError(f"{where}: step={got} must be an integer optimizer step >= 1; {METRICS_FIX}")
     if step <= after:
         raise UserError(f"{where}: step {step} follows step {after}: steps must increase; {METRICS_FIX}")
-    _fields(row, EVAL if is_eval_row(row) else METRICS, where, METRICS_FIX)
+    spec = ROLLBACK if is_rollback_row(row) else EVAL if is_eval_row(row) else METRICS
+    _fields(row, spec, where, METRICS_FIX)
+    if spec is ROLLBACK and row["rollback_to"] >= step:
+        raise UserError(f"{where}: rollback_to={row['rollback_to']} is not before step {step}; {METRICS_FIX}")
     return row
 
 
@@ -262,11 +279,19 @@ def check_resume(row: Any, where: str) -> dict[str, Any]:
     return row
 
 
-def read_metrics(path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def read_metrics(
+    path: Path, rollbacks: list[dict[str, Any]] | None = None
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The training rows and the evaluation rows of ``metrics.jsonl`` (a torn last line skipped), each
-    checked; the steps of each kind increase."""
+    checked; the steps of each kind increase. Spike rollbacks' rows are checked and appended to
+    ``rollbacks`` when given (in file order: a rollback's step may come again after it)."""
     rows: tuple[list[dict[str, Any]], list[dict[str, Any]]] = ([], [])
     for n, row in read_jsonl(path, what="metrics log"):
+        if is_rollback_row(row):
+            checked = check_metrics_row(row, f"{path}: line {n}", 0)
+            if rollbacks is not None:
+                rollbacks.append(checked)
+            continue
         kind = rows[1] if isinstance(row, dict) and is_eval_row(row) else rows[0]
         kind.append(check_metrics_row(row, f"{path}: line {n}", kind[-1]["step"] if kind else 0))
     return rows

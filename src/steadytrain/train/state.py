@@ -32,6 +32,8 @@ class TrainState:
     data: Any
     scaler: Any = None
     validation: Validation | None = None
+    spikes: Any = None
+    """The :class:`~steadytrain.train.spikes.SpikeGuard` (its window, rollbacks and skipped batches)."""
     step: int = 0
     epoch: int = 0
     consecutive_skips: int = 0
@@ -62,6 +64,7 @@ class TrainState:
                 "data": self.data.state_dict(),
                 "scaler": self.scaler.state_dict() if self.scaler is not None else None,
                 "validation": self.validation.state_dict() if self.validation is not None else None,
+                "spikes": self.spikes.state_dict() if self.spikes is not None else None,
             },
             "train state",
         )
@@ -79,6 +82,8 @@ class TrainState:
         self.elapsed_before = float(state.get("elapsed_s", 0.0))
         if self.validation is not None and state.get("validation"):
             self.validation.load_state_dict(state["validation"])
+        if self.spikes is not None:
+            self.spikes.load_state_dict(state.get("spikes"))
         saved = {int(k): int(v) for k, v in (state.get("exposure") or {}).items()} if is_main else {}
         self.exposure = np.zeros(max(saved, default=-1) + 1, dtype=np.int64)
         for shard, n in saved.items():
