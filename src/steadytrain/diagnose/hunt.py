@@ -39,7 +39,8 @@ from steadytrain.data import (
     provenance_differences,
 )
 from steadytrain.diagnose._hooks import Probe
-from steadytrain.diagnose.ledger import read_ledger
+from steadytrain.diagnose.ledger import LEDGER, SPIKES, read_ledger
+from steadytrain.diagnose.outliers import REFERENCE_SHARDS, example_losses, loss_outliers
 from steadytrain.errors import UserError
 
 __all__ = ["HuntReport", "Loader", "hunt"]
@@ -74,6 +75,10 @@ class HuntReport:
     """With ``step``: whether the replayed step's loss or gradient norm was non-finite."""
     bad: list[list[int]] = field(default_factory=list)
     """Every ``[shard, index]`` found (with ``step`` the batch may span several shards)."""
+    kind: str = "nonfinite"
+    """``nonfinite`` (``nan hunt``: values that turn non-finite) or ``spike`` (``spikes hunt``: outlying losses)."""
+    limit: float | None = None
+    """``spike``: the loss beyond which an example is an outlier (from the reference shards' losses)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__dataclass_fields__} | {"sentence": self.sentence}
@@ -81,11 +86,20 @@ class HuntReport:
     @property
     def sentence(self) -> str:
         where = f"step {self.step}" if self.step is not None else f"shard {self.shard}"
+        if self.kind == "spike":
+            head = (
+                f"{where}: {len(self.bad)} of {self.examples_checked} examples have a loss beyond the healthy "
+                f"shards' limit {self.limit:.4g}"
+            )
+            return self._details(head)
         if self.stage is None:
             head = f"{where}: nothing non-finite in {self.examples_checked} examples"
             return head + (" (the step does not reproduce)" if self.step is not None else "")
         what = f"first in module {self.first_module!r}" if self.first_module else "in the gradients only"
         head = f"{where}: {len(self.bad)} of {self.examples_checked} examples produce a non-finite value, {what}"
+        return self._details(head)
+
+    def _details(self, head: str) -> str:
         if self.fields:
             f = self.fields[0]
             head += f"; example {f['example']}: field {f['field']!r} = {f['value']!r} ({f['kind']})"
@@ -221,8 +235,8 @@ def _fields(ds: Any, shard: int, examples: list[int], schema: Any) -> list[dict[
     return sorted(out, key=lambda f: (f["example"], f["field"], f["kind"]))
 
 
-def _first_event_step(run_dir: Path, shard: int | None) -> int | None:
-    events = read_ledger(run_dir)
+def _first_event_step(run_dir: Path, shard: int | None, ledger: str = LEDGER) -> int | None:
+    events = read_ledger(run_dir, ledger)
     mine = [s for s, e in events if shard is None or any(shard in t["shard"] for t in e.tags)]
     return min(mine or [s for s, _ in events], default=None)
 
@@ -258,6 +272,7 @@ def hunt(
     model: nn.Module | None = None,
     chunk: int | None = None,
     bisect_only: bool = False,
+    kind: str = "nonfinite",
 ) -> HuntReport:
     """Replay ``shard`` (or optimizer ``step``) of a run in this process and find the non-finite source.
 
@@ -276,6 +291,9 @@ def hunt(
         chunk: examples per forward pass (default: the run's micro-batch size, at least :data:`MIN_CHUNK`).
         bisect_only: find the examples by bisection alone, not from the hooks' per-row flags (slower;
             the same answer for models whose examples do not interact).
+        kind: ``nonfinite`` (the sweep above, the events of ``nonfinite.jsonl``) or ``spike`` (the examples
+            whose own loss is an outlier against healthy shards' examples: :mod:`.outliers`; the weights
+            those of the first loss spike of ``spikes.jsonl`` involving the shard).
 
     Returns:
         A :class:`HuntReport`.
@@ -284,11 +302,18 @@ def hunt(
         UserError: no such run, shard or checkpoint; neither ``shard`` nor ``step``.
     """
     run_dir = Path(run_dir)
+    if kind not in ("nonfinite", "spike"):
+        raise UserError(f"kind={kind!r}: use nonfinite or spike")
+    command = "nan" if kind == "nonfinite" else "spikes"
     if shard is None and step is None:
-        raise UserError("give the shard to hunt in (--shard N, from `steadytrain nan report`) or a step (--step S)")
+        raise UserError(
+            f"give the shard to hunt in (--shard N, from `steadytrain {command} report`) or a step (--step S)"
+        )
     if step is not None and step < 1:
         raise UserError(f"step={step}: optimizer steps count from 1 (as metrics.jsonl and the ledger do)")
-    before = step - 1 if step is not None else _first_event_step(run_dir, shard)
+    before = (
+        step - 1 if step is not None else _first_event_step(run_dir, shard, LEDGER if kind == "nonfinite" else SPIKES)
+    )
     before = before - 1 if step is None and before is not None else before
     net, settings = _load(loader, run_dir, model, checkpoint, before)
     net.eval()  # deterministic replay: no dropout
@@ -297,8 +322,25 @@ def hunt(
         ds.shard(shard)  # a DatasetError naming the known ids
     batch = _shard_batch(settings, shard) if step is None else _step_batch(settings, step)
     chunk = chunk or max(settings["micro_batch_size"], MIN_CHUNK)
+    if kind == "spike":
+        rows, limit = _spike_rows(net, ds, batch, settings, shard, chunk)
+        report = _report(ds, batch, rows, None, "loss" if len(rows) else None, shard, step, settings, net)
+        report.kind, report.limit = "spike", limit
+        return report
     rows, first, stage = _sweep(net, batch, chunk, bisect_only=bisect_only)
     return _report(ds, batch, rows, first, stage, shard, step, settings, net)
+
+
+def _spike_rows(net, ds, batch, settings, shard, chunk) -> tuple[list[int], float]:
+    """Rows of ``batch`` whose loss is an outlier against the examples of a few healthy shards (not ``shard``)."""
+    train = set(settings.get("shards") or ds.shard_ids)
+    refs = [s for s in healthy_shards(ds) if s != shard and s in train][:REFERENCE_SHARDS]
+    if not refs:
+        raise UserError(f"no healthy shard besides shard {shard} to compare its examples' losses with")
+    reference = np.concatenate([example_losses(net, _shard_batch(settings, s), chunk) for s in refs])
+    rule = settings.get("spike") or {"threshold": 30.0, "min_ratio": 3.0}
+    rows, limit = loss_outliers(example_losses(net, batch, chunk), reference, **rule)
+    return rows.tolist(), limit
 
 
 def _step_batch(settings: dict[str, Any], step: int) -> dict[str, Any]:

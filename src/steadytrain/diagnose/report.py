@@ -39,8 +39,8 @@ ALPHA = 1e-3
 """Family-wise significance level of the shard test (Bonferroni over the shards tested)."""
 
 _WORDS = {
-    LEDGER: {"steps": "non-finite steps", "losses": "non-finite example losses", "command": "nan"},
-    SPIKES: {"steps": "loss spikes", "losses": "outlying example losses", "command": "spikes"},
+    LEDGER: {"step": "non-finite step", "losses": "non-finite example losses", "command": "nan"},
+    SPIKES: {"step": "loss spike", "losses": "outlying example losses", "command": "spikes"},
 }
 """The same test over the two ledgers: a spike's flagged examples are its outliers (:func:`.ledger.outliers`)."""
 
@@ -166,12 +166,12 @@ def _sentence(
 ) -> str:
     nsteps = len(steps)
     if verdict == "none":
-        return f"none: the ledger records no {words['steps'][:-1]}"
+        return f"none: the ledger records no {words['step']}"
     if verdict == "spread":
         best = stats[0] if stats else None
         tail = f"smallest tail p = {best.p_value:.2g} (shard {best.shard})" if best else "no shard data"
         return (
-            f"spread: {nsteps} {words['steps']} over {len({s.shard for s in stats if s.events})} shard(s), "
+            f"spread: {nsteps} {words['step']}(s) over {len({s.shard for s in stats if s.events})} shard(s), "
             f"no shard beyond chance ({tail}; threshold {ALPHA:g}/{max(len(stats), 1)} shards): "
             "look at the learning rate, clipping and precision first"
         )
@@ -183,7 +183,7 @@ def _sentence(
     expected = sum(s.expected for s in suspects)
     p = min(s.p_value for s in suspects)
     return (
-        f"shard-selective: {involved} of {nsteps} {words['steps']} involve {names}{share}; "
+        f"shard-selective: {involved} of {nsteps} {words['step']}s involve {names}{share}; "
         f"{k} {words['losses']} came from it where its share of the batches in play predicts {expected:.1f} "
         f"(binomial tail p = {p:.2g}, threshold {ALPHA:g}/{len(stats)} shards); inspect its data first "
         f"(steadytrain {words['command']} hunt RUN --shard {suspects[0].shard})"

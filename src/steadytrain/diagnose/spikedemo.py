@@ -3,8 +3,9 @@
 A regression dataset: the label ``amount`` (an order amount in units, between 1 and 12) from four
 numeric features. One shard was written by pipeline 3.1, which writes ``amount`` in cents: its
 values are 100 times larger, and a model trained on units sees a loss thousands of times its usual
-one on those examples. Each shard is one global batch (``data.shuffle_window: 1``, shards of
-``global_batch_size`` rows): the bad shard is one step's batch. The job runs on 2 ranks with
+one on those examples. Shards are half a global batch (``data.shuffle_window: 1``: each batch holds
+two whole shards), so the bad shard is in one step's batch, beside a healthy one: the spike's outlying
+examples all come from one of the two shards in play. The job runs on 2 ranks with
 ``spike.policy: rollback``: at the spike it restores the checkpoint before it and continues past
 that batch; ``steadytrain spikes report`` names the shard and ``spikes hunt`` its examples, the
 field out of the healthy shards' range and the provenance difference. The same data without the
@@ -35,12 +36,14 @@ __all__ = ["SpikeDemo", "bad_shard_at", "make_dataset", "run_demo", "train_confi
 PROVENANCE = {"pipeline_version": "3.0", "source": "orders-export", "amount_unit": "units"}
 CENTS = {"pipeline_version": "3.1", "source": "orders-export", "amount_unit": "units"}
 """Pipeline 3.1 says units (the bug); the provenance still differs by its version."""
-ROWS = 64
-"""Rows per shard: one global batch of the demo."""
+ROWS = 32
+"""Rows per shard: half a global batch of the demo."""
+BATCH = 2 * ROWS
 
 
 def bad_shard_at(position: int, shards: int, seed: int = 0) -> int:
-    """The shard id that epoch 0 trains on at ``position`` (0-based step) with shuffle window 1 and ``seed``."""
+    """The shard id that epoch 0 reads ``position``-th (0-based) with shuffle window 1 and ``seed``: with shards of
+    :data:`ROWS` rows, it is in the batch of optimizer step ``position // 2 + 1``."""
     order = [w[0] for w in epoch_windows(list(range(shards)), seed=seed, epoch=0, shuffle=True, window=1)]
     return order[position]
 
@@ -48,7 +51,7 @@ def bad_shard_at(position: int, shards: int, seed: int = 0) -> int:
 def make_dataset(
     path: str | Path,
     *,
-    shards: int = 120,
+    shards: int = 240,
     rows: int = ROWS,
     bad_shard: int | None = None,
     bad_rows: list[int] | None = None,
@@ -82,10 +85,10 @@ def train_config(data: Path, *, steps: int, policy: str = "rollback", window: in
         "model": {"name": "tabular", "label": "amount", "hidden": 32},
         "data": {"path": str(data), "shuffle_window": 1},
         "batch": {
-            "micro_batch_size": ROWS // 4,
-            "global_batch_size": ROWS,
+            "micro_batch_size": BATCH // 4,
+            "global_batch_size": BATCH,
             "base_lr": 0.01,
-            "base_batch_size": ROWS,
+            "base_batch_size": BATCH,
             "warmup_steps": 5,
         },
         "spike": {"policy": policy, "window": window},
@@ -111,14 +114,16 @@ def _final_loss(run_dir: Path) -> float | None:
     summary = run_dir / "summary.md"
     from steadytrain._io import read_jsonl
 
-    rows = [r for _, r in read_jsonl(run_dir / "metrics.jsonl", what="metrics log") if "loss" in r and "val_loss" not in r]
+    rows = [
+        r for _, r in read_jsonl(run_dir / "metrics.jsonl", what="metrics log") if "loss" in r and "val_loss" not in r
+    ]
     return rows[-1]["loss"] if rows and summary.exists() else None
 
 
-def run_demo(root: Path | None, *, loader: Loader, position: int = 40, steps: int = 100, nproc: int = 2) -> SpikeDemo:
+def run_demo(root: Path | None, *, loader: Loader, position: int = 80, steps: int = 100, nproc: int = 2) -> SpikeDemo:
     """Write the data, train with rollback on ``nproc`` ranks, report and hunt; train the clean data too."""
     root = Path(root or tempfile.mkdtemp(prefix="steadytrain-demo-spike-"))
-    shards = steps + 20
+    shards = 2 * steps + 40
     bad = bad_shard_at(position, shards)
     runs: dict[str, Path] = {}
     for name, drop in (("spike", False), ("clean", True)):

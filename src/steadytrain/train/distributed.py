@@ -17,7 +17,7 @@ from torch import nn
 
 from steadytrain.errors import UserError
 
-__all__ = ["DistInfo", "agree", "init_distributed", "teardown", "wrap_model"]
+__all__ = ["DistInfo", "agree", "from_main", "init_distributed", "teardown", "wrap_model"]
 
 
 @dataclass(frozen=True)
@@ -84,6 +84,16 @@ def wrap_model(model: nn.Module, info: DistInfo, strategy: str) -> nn.Module:
 def barrier(info: DistInfo) -> None:
     if info.backend is not None:
         dist.barrier()
+
+
+def from_main(info: DistInfo, value: int) -> int:
+    """Rank 0's ``value`` on every rank (one broadcast): a decision only rank 0 can see, such as which
+    checkpoints are complete (it renames them)."""
+    if info.backend is None:
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=info.device)
+    dist.broadcast(t, src=0)
+    return int(t.item())  # host sync: once per call
 
 
 def quiesce(world_size: int, key: str = "steadytrain/teardown", timeout_s: float = 300.0) -> None:

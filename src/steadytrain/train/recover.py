@@ -11,6 +11,7 @@ rollbacks so far and the skipped batches are carried over the restore (the check
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -21,7 +22,8 @@ from steadytrain._io import append_jsonl
 from steadytrain.train import runfiles
 from steadytrain.train.checkpoint import is_legacy, list_checkpoints, restore
 from steadytrain.train.ckptfiles import read_rng, set_rng_state
-from steadytrain.train.distributed import barrier
+from steadytrain.train.ckptsave import CheckpointFailed, checkpoint_name
+from steadytrain.train.distributed import barrier, from_main
 
 if TYPE_CHECKING:
     from steadytrain.accumulate import NonFiniteEvent
@@ -53,17 +55,22 @@ def rollback(job: Job, event: NonFiniteEvent) -> str:
     guard, cfg, step, batch = job.spikes, job.cfg.spike, job.state.step, job.ds.global_step
     batches = (guard.recent[-(cfg.skip_batches - 1) :] if cfg.skip_batches > 1 else []) + [batch]
     job.metrics.flush()
-    job.writer.wait()  # an in-flight save completes: it may be the one to go back to
-    found = [(s, p) for s, p in list_checkpoints(job.run.checkpoints) if s <= step - cfg.skip_batches]
+    with contextlib.suppress(CheckpointFailed):  # logged; its files are removed and an older one is the target
+        job.writer.wait()  # an in-flight save completes: it may be the one to go back to
+    # rank 0 renames the complete checkpoints: its listing decides for every rank
+    found = [s for s, _ in list_checkpoints(job.run.checkpoints) if s <= step - cfg.skip_batches]
+    target_step = from_main(job.info, found[-1] if found else -1)
     why = None
     if guard.rollbacks >= cfg.max_rollbacks:
         why = f"{guard.rollbacks} rollback(s) already (spike.max_rollbacks={cfg.max_rollbacks})"
-    elif not found:
+    elif target_step < 0:
         why = f"no checkpoint at or before step {step - cfg.skip_batches} to roll back to"
     if why is not None:
         guard.record(step, event, guard.limits, batch, action="stop")
         return f"loss spike at step {step}: {why}; see {job.run.spikes} and: steadytrain spikes report {job.run.path}"
-    target_step, target = found[-1]
+    target = dict(list_checkpoints(job.run.checkpoints)).get(target_step) or job.run.checkpoints / checkpoint_name(
+        target_step
+    )
     n = guard.rollbacks + 1
     guard.record(step, event, guard.limits, batch, action="rollback", rollback_to=target_step, rollback=n)
     skipped = list(guard.skipped)

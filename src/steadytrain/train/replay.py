@@ -142,7 +142,8 @@ def run_model(
         were held out for validation, else None), ``schema`` (a Schema or None), ``policy``,
         ``seed``, ``global_batch_size``, ``micro_batch_size``, ``shuffle_window``, ``checkpoint`` (None
         for the initial weights), ``checkpoint_step`` (0 for the initial weights) and ``note`` (None
-        when the weights are exactly those of ``before_step``; else what they are instead).
+        when the weights are exactly those of ``before_step``; else what they are instead) and ``spike``
+        (the run's ``threshold`` and ``min_ratio``: what an outlying loss is).
 
     Raises:
         UserError: not a run directory, an unreadable checkpoint, or one that does not fit the model.
@@ -175,5 +176,6 @@ def run_model(
         "checkpoint": str(checkpoint) if checkpoint is not None else None,
         "checkpoint_step": step,
         "note": weights_note(step, before_step),
+        "spike": {"threshold": cfg.spike.threshold, "min_ratio": cfg.spike.min_ratio},
     }
     return model, settings
