@@ -13,6 +13,7 @@ from steadytrain.cli.evaluate import eval_cmd, export_cmd
 from steadytrain.cli.nan import demo, nan
 from steadytrain.cli.plan import plan
 from steadytrain.cli.runs import compare, report, repro, sweep
+from steadytrain.cli.spikes import spikes
 from steadytrain.cli.train import config_group, train
 from steadytrain.errors import UserError
 
@@ -31,6 +32,7 @@ cli.add_command(plan)
 cli.add_command(env)
 cli.add_command(data)
 cli.add_command(nan)
+cli.add_command(spikes)
 cli.add_command(demo)
 cli.add_command(report)
 cli.add_command(compare)

@@ -16,18 +16,18 @@ def _json(data: Any) -> None:
     click.echo(json.dumps(data, indent=2, allow_nan=False, default=str))
 
 
-def _print_report(rep: Any, limit: int = 5) -> None:
+def _print_report(rep: Any, limit: int = 5, flagged: str = "non-finite") -> None:
     click.echo(rep.sentence)
     rows = [s for s in rep.shards if s.events][:limit]
     for s in rows:
         rate = f"{s.rate:.3g}" if s.rate is not None else "n/a"
         seen = "exposure not recorded" if s.exposures is None else f"{s.exposures} examples seen"
         click.echo(
-            f"  shard {s.shard}: {s.events} step(s), {s.nonfinite} non-finite losses "
+            f"  shard {s.shard}: {s.events} step(s), {s.nonfinite} {flagged} losses "
             f"(chance: {s.expected:g}), {seen}, rate {rate}, p = {s.p_value:.2g}"
         )
     if rep.ranks:
-        click.echo("  local non-finite losses by rank: " + ", ".join(f"rank {r}: {n}" for r, n in rep.ranks.items()))
+        click.echo(f"  local {flagged} losses by rank: " + ", ".join(f"rank {r}: {n}" for r, n in rep.ranks.items()))
 
 
 def _print_hunt(h: Any) -> None:
@@ -40,7 +40,8 @@ def _print_hunt(h: Any) -> None:
         click.echo(f"  note: {h.note}")
     if h.step is not None:
         click.echo(f"  step {h.step} {'reproduces' if h.reproduced else 'does not reproduce'} on one process")
-    click.echo(f"  first module: {h.first_module}  stage: {h.stage}")
+    if h.kind != "spike":
+        click.echo(f"  first module: {h.first_module}  stage: {h.stage}")
     click.echo(f"  examples (shard {h.shard}): {h.examples}")
     for f in h.fields[:10]:
         click.echo(f"  example {f['example']}: {f['field']} = {f['value']!r} ({f['kind']})")

@@ -23,7 +23,7 @@ import numpy as np
 import pyarrow as pa
 import yaml
 
-from steadytrain._io import write_text_atomic
+from steadytrain._io import read_jsonl, write_text_atomic
 from steadytrain.data import DatasetWriter
 from steadytrain.data.order import epoch_windows
 from steadytrain.diagnose.demo import launch
@@ -106,18 +106,21 @@ class SpikeDemo:
     report: NonFiniteReport
     hunt: HuntReport | None
     final_loss: float | None
+    """Mean training loss of the last 10 steps (None when the run wrote no summary)."""
     clean_loss: float | None
     bad_shard: int
+    rollbacks: list[dict[str, Any]]
 
 
-def _final_loss(run_dir: Path) -> float | None:
-    summary = run_dir / "summary.md"
-    from steadytrain._io import read_jsonl
+def _rows(run_dir: Path) -> list[dict[str, Any]]:
+    return [r for _, r in read_jsonl(run_dir / "metrics.jsonl", what="metrics log") if isinstance(r, dict)]
 
-    rows = [
-        r for _, r in read_jsonl(run_dir / "metrics.jsonl", what="metrics log") if "loss" in r and "val_loss" not in r
-    ]
-    return rows[-1]["loss"] if rows and summary.exists() else None
+
+def _final_loss(run_dir: Path, last: int = 10) -> float | None:
+    """Mean training loss of the last ``last`` steps (one step's loss is noisy), None without a summary."""
+    train = [r for r in _rows(run_dir) if "loss" in r and "val_loss" not in r and "rollback_to" not in r]
+    losses = [r["loss"] for r in train[-last:] if isinstance(r["loss"], float)]
+    return sum(losses) / len(losses) if losses and (run_dir / "summary.md").exists() else None
 
 
 def run_demo(root: Path | None, *, loader: Loader, position: int = 80, steps: int = 100, nproc: int = 2) -> SpikeDemo:
@@ -137,4 +140,6 @@ def run_demo(root: Path | None, *, loader: Loader, position: int = 80, steps: in
             (root / "spike.log").write_text(proc.stdout + proc.stderr)
     rep = report(runs["spike"], SPIKES)
     found = hunt(runs["spike"], rep.suspect_shards[0], loader=loader, kind="spike") if rep.suspect_shards else None
-    return SpikeDemo(runs["spike"], code, rep, found, _final_loss(runs["spike"]), _final_loss(runs["clean"]), bad)
+    rollbacks = [r for r in _rows(runs["spike"]) if "rollback_to" in r]
+    final, clean = _final_loss(runs["spike"]), _final_loss(runs["clean"])
+    return SpikeDemo(runs["spike"], code, rep, found, final, clean, bad, rollbacks)

@@ -38,15 +38,17 @@ ROLLED_BACK = "rolled back"
 
 
 def keep_for_rollback(job: Job) -> set[int]:
-    """The checkpoint a spike at the next step would roll back to: kept whatever ``checkpoint.keep_last`` says."""
+    """Checkpoints retention keeps whatever ``checkpoint.keep_last`` says: those rollbacks went back to (the
+    weights a spike's hunt replays), and the one a spike at the next step would roll back to."""
+    keep = set(job.spikes.restored)
     if job.cfg.spike.policy != "rollback":
-        return set()
+        return keep
     # a save at this step is the newest; the rollback target of step + 1 is the newest at or before this bound
     bound = job.state.step + 1 - job.cfg.spike.skip_batches
     if bound >= job.state.step:
-        return set()
+        return keep
     found = [s for s, _ in list_checkpoints(job.run.checkpoints) if s <= bound]
-    return {found[-1]} if found else set()
+    return keep | ({found[-1]} if found else set())
 
 
 def rollback(job: Job, event: NonFiniteEvent) -> str:
@@ -73,11 +75,11 @@ def rollback(job: Job, event: NonFiniteEvent) -> str:
     )
     n = guard.rollbacks + 1
     guard.record(step, event, guard.limits, batch, action="rollback", rollback_to=target_step, rollback=n)
-    skipped = list(guard.skipped)
+    skipped, restored = list(guard.skipped), [*guard.restored, target_step]
     saved = restore(target, job.model, job.optimizer, no_dist=job.info.backend is None)
     job.state.load_state_dict(saved["train"], is_main=job.info.is_main)  # the window and recent batches of C
     restore_rng(job, target, saved)
-    guard.rollbacks, guard.skipped = n, skipped  # what happened since C is not undone
+    guard.rollbacks, guard.skipped, guard.restored = n, skipped, restored  # what happened since C is not undone
     guard.pass_over(batches)
     job.ended = None
     if job.info.is_main:

@@ -68,6 +68,8 @@ class SpikeGuard:
     """Global batches never to train on (``rollback``), in the order they were skipped."""
     recent: list[int] = field(default_factory=list)
     """The global batches of the last ``skip_batches`` steps, oldest first."""
+    restored: list[int] = field(default_factory=list)
+    """The checkpoints (steps) rollbacks went back to: kept by retention (``spikes hunt`` replays from them)."""
 
     def __post_init__(self) -> None:
         if self.cfg.policy != "off":
@@ -172,14 +174,13 @@ class SpikeGuard:
             )
         return record
 
-    def state_dict(self) -> dict[str, Any] | None:
-        if self.detector is None:
-            return {"rollbacks": self.rollbacks, "skipped": list(self.skipped), "recent": list(self.recent)}
+    def state_dict(self) -> dict[str, Any]:
         return {
-            "detector": self.detector.state_dict(),
+            "detector": self.detector.state_dict() if self.detector is not None else None,
             "rollbacks": self.rollbacks,
             "skipped": list(self.skipped),
             "recent": list(self.recent),
+            "restored": list(self.restored),
         }
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
@@ -191,6 +192,7 @@ class SpikeGuard:
         self.rollbacks = int(state.get("rollbacks", 0))
         self.skipped = [int(b) for b in state.get("skipped", [])]
         self.recent = [int(b) for b in state.get("recent", [])][-self.cfg.skip_batches :]
+        self.restored = [int(s) for s in state.get("restored", [])]
         self._skip = set(self.skipped)
 
     def pass_over(self, batches: list[int]) -> None:
