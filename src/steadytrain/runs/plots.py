@@ -108,15 +108,20 @@ def best_eval(rec: RunRecord) -> dict | None:
 
 
 def loss_plot(rec: RunRecord, path: Path) -> Path:
-    """Raw and smoothed training loss; skipped (non-finite) steps marked; the validation loss beside it,
-    its best step marked."""
+    """Raw and smoothed training loss; skipped (non-finite) steps, loss spikes and rollbacks marked; the
+    validation loss beside it, its best step marked."""
     fig = _figure()
     ax = fig.add_subplot()
     steps, loss = rec.steps, rec.column("loss")
     ax.plot(*_points(steps, loss), color="tab:blue", alpha=0.35, linewidth=1, label="loss (raw)")
     ax.plot(*_points(steps, smooth(loss)), color="tab:blue", linewidth=2, label="loss (smoothed)")
-    skipped = [r["step"] for r in rec.metrics if r.get("skipped")]
+    spikes = set(rec.spikes)
+    skipped = [r["step"] for r in rec.metrics if r.get("skipped") and r["step"] not in spikes]
     _mark_steps(ax, skipped, f"skipped non-finite step ({len(skipped)})", "tab:red", "x")
+    _mark_steps(ax, sorted(spikes), f"loss spike ({len(spikes)})", "tab:purple", "^")
+    for i, row in enumerate(rec.rollbacks):  # the steps trained again after going back
+        ax.axvspan(row["rollback_to"], row["step"], color="tab:purple", alpha=0.12, linewidth=0,
+                   label=f"rolled back ({len(rec.rollbacks)})" if i == 0 else None)  # fmt: skip
     if rec.evals:
         val = [r.get("val_loss") for r in rec.evals]
         ax.plot(*_points([r["step"] for r in rec.evals], val), color="tab:orange", marker="o", markersize=3,

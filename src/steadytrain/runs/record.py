@@ -14,6 +14,8 @@ from typing import Any
 
 from steadytrain._io import load_json, load_yaml, one_line
 from steadytrain._mapping import flatten
+from steadytrain.diagnose import read_ledger
+from steadytrain.diagnose.ledger import SPIKES
 from steadytrain.env import EnvManifest
 from steadytrain.errors import UserError
 from steadytrain.train.rundir import RunDir, open_run_dir
@@ -44,6 +46,10 @@ class RunRecord:
     """The training rows of ``metrics.jsonl``, one per optimizer step."""
     evals: list[dict[str, Any]] = field(default_factory=list)
     """The evaluation rows: ``step``, ``val_loss`` (None when not finite), ``val_items``."""
+    rollbacks: list[dict[str, Any]] = field(default_factory=list)
+    """Spike rollbacks' rows: ``step``, ``rollback_to``, ``skipped_batches``."""
+    spikes: list[int] = field(default_factory=list)
+    """The optimizer steps of the loss spikes in ``spikes.jsonl`` (each once, in order)."""
     resumes: list[dict[str, Any]] = field(default_factory=list)
     """``resumes.jsonl``: each resume's ``step``, ``world_size`` and ``changes`` (``{key: [old, new]}``)."""
 
@@ -93,7 +99,8 @@ def load_run(path: str | Path) -> RunRecord:
     if not isinstance(config, dict):
         raise UserError(f"{run.config}: a run config is a mapping of sections, not {type(config).__name__}")
     plan, data = _object(run.plan, "batch plan"), _object(run.data, "data record")
-    metrics, evals = read_metrics(run.metrics)
+    rollbacks: list[dict[str, Any]] = []
+    metrics, evals = read_metrics(run.metrics, rollbacks)
     return RunRecord(
         run=run,
         config=check_config(config, str(run.config)),
@@ -102,6 +109,8 @@ def load_run(path: str | Path) -> RunRecord:
         data=check_data(data, str(run.data)) if data is not None else None,
         metrics=metrics,
         evals=evals,
+        rollbacks=rollbacks,
+        spikes=sorted({step for step, _ in read_ledger(run.path, SPIKES)}),
         resumes=read_resumes(run.resumes),
     )
 

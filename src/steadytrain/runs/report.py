@@ -163,6 +163,29 @@ def _nonfinite_line(rec: RunRecord) -> str | None:
     return f"non-finite steps: {md(sentence)} (`nonfinite_report.json`)" if sentence else None
 
 
+def _spike_rows(rec: RunRecord) -> list[tuple[str, str]]:
+    """Loss spikes and rollbacks, counted (with the run's policy); nothing when spikes were not watched."""
+    policy = (rec.config.get("spike") or {}).get("policy")
+    if not rec.spikes and not rec.rollbacks and policy in (None, "off"):
+        return []
+    text = f"{len(rec.spikes)} (spike.policy={md(str(policy))})"
+    if rec.rollbacks:
+        text += f"; {len(rec.rollbacks)} rollback(s): " + ", ".join(
+            f"step {r['step']} to {r['rollback_to']}" for r in rec.rollbacks[:5]
+        )
+    return [("loss spikes", text)]
+
+
+def _spike_line(rec: RunRecord) -> str | None:
+    """The spike report's sentence (``steadytrain spikes report``), when the run had spikes."""
+    if not rec.spikes:
+        return None
+    from steadytrain.diagnose import report
+    from steadytrain.diagnose.ledger import SPIKES
+
+    return f"loss spikes: {md(report(rec.run.path, SPIKES).sentence)} (`spikes.jsonl`)"
+
+
 def summary_markdown(rec: RunRecord, rep: Report, stopped: str | None) -> str:
     """The text of ``summary.md``: every value a user controls (names, config, provenance, messages) goes through
     :func:`~steadytrain._text.md`; the table holds numbers this function formats."""
@@ -170,7 +193,11 @@ def summary_markdown(rec: RunRecord, rep: Report, stopped: str | None) -> str:
     threshold = (rec.config.get("clip") or {}).get("max_grad_norm")
     rows = [
         ("optimizer steps", f"{s['steps']} of {_value(rec.plan.get('total_steps'))} planned"),
-        ("skipped (non-finite) steps", str(s["skipped"])),
+        (
+            "skipped (non-finite) steps",
+            str(s["skipped"] - sum(1 for r in rec.metrics if r.get("spike") and r.get("skipped"))),
+        ),
+        *_spike_rows(rec),
         ("clipped steps", f"{s['clipped']}" + (f" (global norm above {threshold:g})" if threshold else "")),
         ("final loss", f"{_fmt(s['final'])} (smoothed {_fmt(s['smoothed'])})"),
         *_validation_rows(rec),
@@ -178,7 +205,7 @@ def summary_markdown(rec: RunRecord, rep: Report, stopped: str | None) -> str:
         ("wall time", f"{s['elapsed']:.1f} s" if s["elapsed"] is not None else "n/a"),
     ]
     lines = [f"# Run {md(rec.name)}", "", f"- {md(plan_sentence(rec.plan))}", *_schedule_lines(rec)]
-    lines += [f"- {x}" for x in (_stopped_line(rec, stopped, s["steps"]), _nonfinite_line(rec)) if x]
+    lines += [f"- {x}" for x in (_stopped_line(rec, stopped, s["steps"]), _nonfinite_line(rec), _spike_line(rec)) if x]
     lines += [f"- {x}" for x in _resume_lines(rec)]
     lines += ["", "| | |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows), ""]
     lines += [f"**Environment.** {md(environment_paragraph(rec.env))}", ""]
