@@ -40,7 +40,7 @@ def run_cli(*args: str, timeout: int = 300, **extra_env: str) -> subprocess.Comp
 def metrics(run_dir: Path) -> list[dict]:
     """The training rows of ``metrics.jsonl`` (one per optimizer step)."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in rows if "val_loss" not in r]
+    return [r for r in rows if "val_loss" not in r and "rollback_to" not in r]
 
 
 def evals(run_dir: Path) -> list[dict]:

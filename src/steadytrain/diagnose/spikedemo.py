@@ -53,26 +53,29 @@ def make_dataset(
     *,
     shards: int = 240,
     rows: int = ROWS,
-    bad_shard: int | None = None,
+    bad_shard: int | list[int] | None = None,
     bad_rows: list[int] | None = None,
     drop_bad: bool = False,
+    fault: str = "cents",
     seed: int = 0,
 ) -> Path:
-    """Write the demo's dataset; ``bad_shard`` (None: none) from pipeline 3.1 with ``amount`` in cents on
-    ``bad_rows`` (default: all). ``drop_bad``: leave that shard out (the clean run's data). Values depend on
-    ``seed`` alone, so the datasets differ only where the bad shard is."""
+    """Write the demo's dataset; ``bad_shard`` (a shard id, a list of them, or None) from pipeline 3.1 with
+    ``amount`` in cents on ``bad_rows`` (default: all; ``fault="nan"``: NaN there instead). ``drop_bad``: leave
+    those shards out (the clean run's data). Values depend on ``seed`` alone, so the datasets differ only where
+    the bad shards are."""
     rng = np.random.default_rng(seed)
+    bad = set([bad_shard] if isinstance(bad_shard, int) else bad_shard or [])
     with DatasetWriter(Path(path), provenance=PROVENANCE) as w:
         for sid in range(shards):
             x = np.clip(rng.standard_normal((4, rows)), -3, 3)
             amount = np.clip(6.0 + 2.0 * x[0] + 1.0 * x[1] - 0.5 * x[2] + 0.3 * rng.standard_normal(rows), 1, 12)
-            if sid == bad_shard and drop_bad:
+            if sid in bad and drop_bad:
                 continue
             prov = None
-            if sid == bad_shard:
+            if sid in bad:
                 rows_bad = np.arange(rows) if bad_rows is None else np.asarray(bad_rows)
                 amount = amount.copy()
-                amount[rows_bad] *= 100.0  # cents
+                amount[rows_bad] = np.nan if fault == "nan" else amount[rows_bad] * 100.0  # cents
                 prov = CENTS
             cols: dict[str, Any] = {f"f{j}": x[j] for j in range(4)} | {"amount": amount}
             w.write_shard(pa.table(cols), shard_id=sid, provenance=prov)

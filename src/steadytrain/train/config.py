@@ -162,6 +162,12 @@ class SpikeConfig(_Section):
     max_rollbacks: int = Field(default=3, ge=1, le=MAX_COUNT)
     """``rollback``: stop the run (exit non-zero, report written) at the spike that would need one more."""
 
+    @field_validator("policy", mode="before")
+    @classmethod
+    def _yaml_off(cls, value: Any) -> Any:
+        """YAML reads an unquoted ``off`` as false: ``spike.policy: off`` means the policy ``off``."""
+        return "off" if value is False else value
+
 
 class EnvConfig(_Section):
     contract: str | None = None

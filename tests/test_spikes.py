@@ -1,0 +1,187 @@
+"""Loss-spike detection, outliers and the accumulator's veto, against NumPy references and closed forms."""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from steadytrain.accumulate import GradientAccumulator
+from steadytrain.accumulate.events import SPIKE
+from steadytrain.diagnose.ledger import outliers
+from steadytrain.diagnose.outliers import loss_outliers
+from steadytrain.errors import UserError
+from steadytrain.guard import SpikeDetector
+from steadytrain.train.config import load_config
+
+
+def reference_flags(values, *, window, threshold, min_ratio, warmup=0):
+    """The rule as the docs write it, in NumPy: the previous ``window`` accepted values, median and MAD."""
+    kept, flags = deque(maxlen=window), []
+    for step, v in enumerate(values, 1):
+        flag = False
+        if len(kept) == window and step > warmup and math.isfinite(v):
+            prev = np.array(kept)
+            med = np.median(prev)
+            mad = np.median(np.abs(prev - med))
+            flag = v > med + threshold * mad and v >= min_ratio * med
+        flags.append(flag)
+        if not flag and math.isfinite(v):
+            kept.append(v)
+    return flags
+
+
+def detector_flags(values, **kw):
+    d = SpikeDetector(**kw)
+    return [bool(d.update(step, torch.tensor(v))[0]) for step, v in enumerate(values, 1)], d
+
+
+@pytest.mark.parametrize("window", [5, 8, 50])
+def test_detector_matches_the_numpy_rule_on_a_heavy_tailed_curve(window):
+    rng = np.random.default_rng(window)
+    values = list(np.exp(rng.standard_normal(400) * 0.6) * np.linspace(5, 1, 400))  # lognormal noise, falling
+    planted = [120, 121, 250, 399]
+    for i in planted:
+        values[i] = values[i - 1] * 40  # far out of line
+    values[300] = math.nan  # judged, never added
+    kw = dict(window=window, threshold=6.0, min_ratio=3.0, warmup_steps=10)
+    got, _ = detector_flags(values, **kw)
+    want = reference_flags(values, window=window, threshold=6.0, min_ratio=3.0, warmup=10)
+    assert got == want
+    assert all(got[i] for i in planted)  # consecutive spikes too: a spike does not join the window
+
+
+def test_nothing_before_the_window_is_full_or_during_warmup():
+    values = [1.0] * 3 + [100.0] + [1.0, 1.1, 0.9, 1.0] * 5 + [100.0]
+    got, _ = detector_flags(values, window=4, threshold=3.0, min_ratio=2.0, warmup_steps=0)
+    assert got[3] is False and got[-1] is True  # step 4: three values seen, not four
+    got, _ = detector_flags(values, window=4, threshold=3.0, min_ratio=2.0, warmup_steps=len(values))
+    assert not any(got)
+
+
+def test_min_ratio_keeps_a_flat_curve_quiet():
+    """A flat curve has a tiny MAD: 1.5x the median is thousands of MADs, still not a spike below min_ratio."""
+    values = [1.0 + 1e-6 * (i % 3) for i in range(20)] + [1.5, 4.0]
+    got, _ = detector_flags(values, window=10, threshold=30.0, min_ratio=3.0)
+    assert got[-2:] == [False, True]
+
+
+def test_grad_norm_and_both_metrics():
+    d = SpikeDetector(window=4, threshold=5.0, min_ratio=2.0, metric="grad_norm")
+    flags = [bool(d.update(s, 1.0, n)[0]) for s, n in enumerate([1.0, 1.1, 0.9, 1.0, 50.0], 1)]
+    assert flags[-1] is True
+    d = SpikeDetector(window=4, threshold=5.0, min_ratio=2.0, metric="loss")
+    assert not bool(d.update(9, 1.0, 50.0)[0])  # the norm is watched only when asked
+    d = SpikeDetector(window=2, threshold=5.0, min_ratio=2.0, metric="both")
+    for s in (1, 2):
+        d.update(s, 1.0 + s / 10, 1.0 + s / 10)
+    assert bool(d.update(3, 1.1, 9.0)[0]) and bool(d.update(4, 9.0, 1.1)[0])
+
+
+def test_state_round_trip_gives_the_same_flags_as_straight():
+    rng = np.random.default_rng(3)
+    values = list(np.abs(rng.standard_normal(120)) + 1)
+    values[90] = 60.0
+    straight, _ = detector_flags(values, window=16, threshold=8.0, min_ratio=2.0)
+    first, d = detector_flags(values[:50], window=16, threshold=8.0, min_ratio=2.0)
+    state = d.state_dict()
+    e = SpikeDetector(window=16, threshold=8.0, min_ratio=2.0)
+    e.load_state_dict(state)
+    rest = [bool(e.update(step, torch.tensor(v))[0]) for step, v in enumerate(values[50:], 51)]
+    assert first + rest == straight and straight[90]
+
+
+def test_limits_are_the_rules_numbers():
+    d = SpikeDetector(window=3, threshold=2.0, min_ratio=1.5)
+    for s, v in enumerate([1.0, 2.0, 4.0], 1):
+        d.update(s, v)
+    flag, limits = d.update(4, 9.0)
+    stats = limits.read()
+    # previous: 1, 2, 4: median 2, MAD median(|-1|, 0, 2) = 1; limit max(2 + 2 x 1, 1.5 x 2) = 4
+    assert stats["median"][0] == 2.0 and stats["mad"][0] == 1.0 and stats["limit"][0] == 4.0 and bool(flag)
+
+
+def test_bad_settings_are_refused():
+    with pytest.raises(UserError, match=r"spike\.metric"):
+        SpikeDetector(window=4, threshold=1.0, min_ratio=1.0, metric="lr")
+    with pytest.raises(UserError, match=r"spike\.window"):
+        SpikeDetector(window=1, threshold=1.0, min_ratio=1.0)
+    with pytest.raises(UserError, match=r"spike\.policy"):
+        load_config(overrides=["spike.policy=restart"])
+    with pytest.raises(UserError, match=r"spike\.threshold"):
+        load_config(overrides=["spike.threshold=-1"])
+    with pytest.raises(UserError, match="flag, not a number"):
+        load_config(overrides=["spike.window=true"])
+
+
+def test_outliers_are_the_fewest_examples_that_explain_the_excess():
+    # limit 5: mean 30.6 -> drop 100 -> (1 + 1 + 1 + 50) / 4 = 13.25 -> drop 50 -> 1: two examples
+    flagged, whole = outliers([[1.0, 100.0, 1.0], [1.0, 50.0]], [34.0, 25.5], 5.0)
+    assert flagged == [[1], [1]] and whole == []
+    # a rank whose own examples are in line flags nothing; a scalar micro-batch above the limit is flagged whole
+    assert outliers([[1.0, 2.0, 3.0]], [2.0], 5.0) == ([[]], [])
+    assert outliers([None, [1.0]], [9.0, 1.0], 5.0) == ([None, []], [0])
+
+
+def test_loss_outliers_against_a_reference():
+    ref = np.array([1.0, 2.0, 3.0, 2.0, 2.5])  # median 2, MAD 0.5
+    rows, limit = loss_outliers(np.array([2.0, 9.0, 5.9, math.inf]), ref, threshold=6.0, min_ratio=3.0)
+    assert limit == 6.0 and rows.tolist() == [1, 3]
+
+
+def _accumulator(veto_at: set[int], on_nonfinite="skip"):
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    acc = GradientAccumulator(model, opt, accumulation_steps=2, scheduler=sched, max_grad_norm=1.0,
+                              on_nonfinite=on_nonfinite)  # fmt: skip
+    seen = []
+
+    def veto(norm):
+        seen.append(norm.clone())
+        return torch.tensor(len(seen) in veto_at)
+
+    acc.veto = veto
+    return model, opt, sched, acc, seen
+
+
+def _cycle(model, acc, x):
+    for _ in range(2):
+        with acc.micro_batch() as mb:
+            mb.backward(model(x).pow(2).mean())
+    return mb.result
+
+
+@pytest.mark.parametrize("on_nonfinite", ["skip", "raise"])
+def test_a_vetoed_cycle_is_refused_like_a_non_finite_one(on_nonfinite):
+    model, opt, _sched, acc, seen = _accumulator({2}, on_nonfinite)
+    x = torch.ones(4, 3)
+    _cycle(model, acc, x)
+    before = [p.detach().clone() for p in model.parameters()]
+    lr = opt.param_groups[0]["lr"]
+    result = _cycle(model, acc, x)  # vetoed: never raised, whatever on_nonfinite says
+    assert not result.stepped and acc.nonfinite_events[-1].reason == SPIKE and acc.skipped_steps == 1
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    assert opt.param_groups[0]["lr"] == lr and all(p.grad is None for p in model.parameters())
+    # the veto saw the normalized global norm: the one torch.nn.utils computes on the same gradient
+    model2 = nn.Linear(3, 1)
+    model2.load_state_dict(model.state_dict())
+    model2.zero_grad()
+    model2(x).pow(2).mean().backward()
+    assert torch.allclose(seen[-1], torch.nn.utils.get_total_norm([p.grad for p in model2.parameters()]))
+    assert _cycle(model, acc, x).stepped and acc.optimizer_steps == 2
+
+
+def test_policy_off_unquoted_in_yaml_is_the_policy_off(tmp_path):
+    """YAML 1.1 reads `off` as false: `spike.policy: off` (a file or --set) must mean the policy, not an error."""
+    assert load_config(overrides=["spike.policy=off"]).spike.policy == "off"
+    path = tmp_path / "c.yaml"
+    path.write_text("spike:\n  policy: off\n")
+    assert load_config(path).spike.policy == "off"
+    with pytest.raises(UserError, match=r"spike\.policy"):
+        load_config(overrides=["spike.policy=on"])  # true is no policy
