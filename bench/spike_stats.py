@@ -3,11 +3,12 @@
 Trains clean runs (no bad data) with spike detection off and measures, at every step past the first
 ``window`` (and past warmup), the step loss against the median and the median absolute deviation
 (MAD) of the previous ``window`` losses: the ratio ``loss / median`` and the deviation
-``(loss - median) / MAD``. A default ``spike.threshold`` (MADs) and ``spike.min_ratio`` (x median)
-flag nothing on these runs when both are above the largest values seen in any of them (a step is a
-spike only when it exceeds both). Runs: the embedded default (`steadytrain train`, tiny-lm on the
+``(loss - median) / MAD``, and counts the steps the shipped detector flags with the default
+``spike.threshold`` (MADs) and ``spike.min_ratio`` (x median): a step is a spike only when it exceeds
+both. Runs: the embedded default (`steadytrain train`, tiny-lm on the
 standard library's sources, 200 steps), tiny-lm on the same corpus for 300 steps with 30 warmup
-steps, the spike demo's regression data without the bad shard (300 steps, warmup 30), and the NaN
+steps, the spike demo's regression data without the bad shard (300 steps, warmup 30; and with a
+global batch of 8, a noisy curve), and the NaN
 demo's classification data without the bad shard (300 steps).
 
 Usage::
@@ -31,7 +32,8 @@ EXE = str(Path(sys.executable).with_name("steadytrain"))
 
 
 def deviations(losses: list[float], window: int, warmup: int) -> tuple[np.ndarray, np.ndarray]:
-    """Per step past ``window`` and ``warmup``: ``loss / median`` and ``(loss - median) / MAD`` of the previous ``window``."""
+    """Per step past ``window`` and ``warmup``: ``loss / median`` and ``(loss - median) / MAD`` of the previous
+    ``window`` losses."""
     x = np.asarray(losses, dtype=np.float64)
     ratios, devs = [], []
     for t in range(max(window, warmup), len(x)):
@@ -41,6 +43,18 @@ def deviations(losses: list[float], window: int, warmup: int) -> tuple[np.ndarra
         ratios.append(x[t] / med)
         devs.append((x[t] - med) / mad if mad > 0 else np.inf)
     return np.array(ratios), np.array(devs)
+
+
+def flagged(losses: list[float], warmup: int) -> int:
+    """Steps the shipped detector flags with the default settings (``SpikeConfig()``) on these losses."""
+    import torch
+
+    from steadytrain.guard import SpikeDetector
+    from steadytrain.train.config import SpikeConfig
+
+    c = SpikeConfig()
+    d = SpikeDetector(window=c.window, threshold=c.threshold, min_ratio=c.min_ratio, warmup_steps=warmup)
+    return sum(bool(d.update(step, torch.tensor(v))[0]) for step, v in enumerate(losses, 1))
 
 
 def _train(run: Path, config: dict | None, extra: list[str]) -> list[float]:
@@ -65,6 +79,9 @@ def runs(root: Path) -> dict[str, tuple[list[float], int]]:
     cfg = spikedemo.train_config(reg, steps=300, policy="off")
     cfg["batch"]["warmup_steps"] = 30
     out["regression (spike demo data, clean), 300 steps, warmup 30"] = (_train(root / "reg", cfg, []), 30)
+    cfg = spikedemo.train_config(reg, steps=300, policy="off")
+    cfg["batch"].update(micro_batch_size=8, global_batch_size=8, base_batch_size=8, warmup_steps=30)
+    out["regression, batch 8 (noisy), 300 steps, warmup 30"] = (_train(root / "reg8", cfg, []), 30)
     cls = demo.make_dataset(root / "cls-data", shards=160, bad_shard=None)
     cfg = demo.train_config(cls, epochs=1)
     cfg["run"] = {"max_steps": 300, "log_every": 10}
@@ -79,14 +96,14 @@ def main() -> None:
     args = ap.parse_args()
     root = args.out or Path(tempfile.mkdtemp(prefix="spike-stats-"))
     root.mkdir(parents=True, exist_ok=True)
-    print(f"| run | steps judged | loss/median p50 / p99 / max | MADs above median p50 / p99 / max |")
-    print("|---|---|---|---|")
+    print("| run | steps judged | loss/median p50 / p99 / max | MADs above median p50 / p99 / max | flagged |")
+    print("|---|---|---|---|---|")
     worst_r = worst_d = 0.0
     for name, (losses, warmup) in runs(root).items():
         r, d = deviations(losses, args.window, warmup)
         worst_r, worst_d = max(worst_r, r.max()), max(worst_d, d[np.isfinite(d)].max())
         q = lambda a: " / ".join(f"{v:.2f}" for v in np.percentile(a[np.isfinite(a)], [50, 99, 100]))  # noqa: E731
-        print(f"| {name} | {len(r)} | {q(r)} | {q(d)} |")
+        print(f"| {name} | {len(r)} | {q(r)} | {q(d)} | {flagged(losses, warmup)} |")
     print(f"\nlargest over all runs: {worst_r:.2f} x median, {worst_d:.1f} MADs (window {args.window})")
 
 
