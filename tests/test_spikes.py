@@ -185,3 +185,34 @@ def test_policy_off_unquoted_in_yaml_is_the_policy_off(tmp_path):
     assert load_config(path).spike.policy == "off"
     with pytest.raises(UserError, match=r"spike\.policy"):
         load_config(overrides=["spike.policy=on"])  # true is no policy
+
+
+@pytest.mark.parametrize("interval", [1, 7, 10])
+def test_a_logging_interval_judged_at_once_flags_as_step_by_step(tmp_path, interval):
+    """``warn`` judges a logging interval in one go and corrects it after the read: the same flags as the rule
+    applied step by step, with spikes, refused (skipped) steps and non-finite losses inside intervals."""
+    from steadytrain.train.config import SpikeConfig
+    from steadytrain.train.distributed import DistInfo
+    from steadytrain.train.spikes import SpikeGuard
+
+    rng = np.random.default_rng(interval)
+    values = list(np.exp(rng.standard_normal(300) * 0.5) + 1)
+    for i in (60, 61, 65, 130, 199, 200, 201, 299):
+        values[i] = values[i - 2] * 50
+    skipped = [i in (63, 64, 140) for i in range(300)]
+    values[150] = math.inf
+    cfg = SpikeConfig(policy="warn", window=12, threshold=8.0, min_ratio=2.0)
+    guard = SpikeGuard(cfg, DistInfo(0, 1, 0, torch.device("cpu"), None), tmp_path / "spikes.jsonl", warmup_steps=5)
+    got = []
+    for start in range(0, 300, interval):
+        steps = list(range(start + 1, min(start + interval, 300) + 1))
+        losses = torch.tensor(values[start : start + len(steps)], dtype=torch.float32)
+        flags = guard.judge(steps, losses, [1.0] * len(steps)).tolist()
+        got += guard.settle(steps, flags, losses.double().tolist(), skipped[start : start + len(steps)])
+    # the reference: a skipped step is judged but never joins the window (as a non-finite value)
+    ref_values = [math.nan if k else float(np.float32(v)) for v, k in zip(values, skipped, strict=True)]
+    want = reference_flags(ref_values, window=12, threshold=8.0, min_ratio=2.0, warmup=5)
+    for i in range(300):  # a skipped step is still judged on its own value
+        if skipped[i]:
+            want[i] = got[i]
+    assert got == want and sum(want) >= 6

@@ -36,22 +36,22 @@ METRICS = ("loss", "grad_norm", "both")
 
 
 class SpikeLimits:
-    """The statistics a step was judged by (device tensors; read only for a spike's record)."""
+    """The statistics steps were judged by: device tensors of shape ``[2, n]`` (row 0 the loss, row 1 the
+    gradient norm; one column per step), read only for a spike's record."""
 
     __slots__ = ("limit", "mad", "median", "value")
 
     def __init__(self, value: Tensor, median: Tensor, mad: Tensor, limit: Tensor) -> None:
         self.value, self.median, self.mad, self.limit = value, median, mad, limit
-        """Each of shape ``[2]``: (loss, gradient norm)."""
 
-    def read(self) -> dict[str, list[float]]:
-        """Host values (one read: for a spike's record only)."""
-        values = torch.stack([self.value, self.median, self.mad, self.limit]).tolist()
+    def read(self, i: int = 0) -> dict[str, list[float]]:
+        """Step ``i``'s values on the host, ``{value, median, mad, limit}`` each ``[loss, grad_norm]`` (one read)."""
+        values = torch.stack([self.value[:, i], self.median[:, i], self.mad[:, i], self.limit[:, i]]).tolist()
         return dict(zip(("value", "median", "mad", "limit"), values, strict=True))
 
 
 def _median(sorted_values: Tensor) -> Tensor:
-    """Median of each row of a row-sorted ``[2, w]`` tensor (the mean of the two middle values when ``w`` is even)."""
+    """Median along the last dimension of sorted values (the mean of the two middle ones when it is even)."""
     w = sorted_values.shape[-1]
     return (sorted_values[..., (w - 1) // 2] + sorted_values[..., w // 2]) / 2
 
@@ -92,13 +92,24 @@ class SpikeDetector:
         self.metric = metric
         self.warmup_steps = check_int("warmup_steps", warmup_steps, 0)
         self.device = torch.device(device)
-        self.values = torch.zeros(2, self.window, dtype=torch.float64, device=self.device)
+        self.hist = torch.zeros(2, self.window, dtype=torch.float64, device=self.device)
+        """The last ``window`` healthy values, oldest first (row 0: loss, row 1: gradient norm)."""
         self.count = torch.zeros((), dtype=torch.int64, device=self.device)
         """Healthy values added so far (a device counter: whether a value is added depends on its flag)."""
         self._use = torch.tensor(
-            [metric in ("loss", "both"), metric in ("grad_norm", "both")], dtype=torch.bool, device=self.device
+            [[metric in ("loss", "both")], [metric in ("grad_norm", "both")]], dtype=torch.bool, device=self.device
         )
-        self._slots = torch.arange(self.window, device=self.device)
+        self._interval: tuple[Tensor, int] | None = None
+
+    def _judge(self, windows: Tensor, v: Tensor) -> tuple[Tensor, SpikeLimits]:
+        """``windows`` ``[2, n, w]`` (each step's previous values) against ``v`` ``[2, n]``: flags ``[n]``, limits."""
+        med = _median(windows.sort(dim=-1).values)
+        mad = _median((windows - med[..., None]).abs().sort(dim=-1).values)
+        over = (torch.isfinite(v) & (v > med + self.threshold * mad) & (v >= self.min_ratio * med) & self._use).any(0)
+        return over, SpikeLimits(v, med, mad, torch.maximum(med + self.threshold * mad, self.min_ratio * med))
+
+    def _values(self, loss: Tensor | float, grad_norm: Tensor | float) -> Tensor:
+        return torch.stack([torch.as_tensor(x, device=self.device).double().reshape(-1) for x in (loss, grad_norm)])
 
     def update(
         self,
@@ -120,33 +131,50 @@ class SpikeDetector:
         Returns:
             ``(flag, limits)``: a 0-dim bool tensor (no host read) and the statistics it was judged by.
         """
-        v = torch.stack(
-            [torch.as_tensor(x, dtype=torch.float64, device=self.device).reshape(()) for x in (loss, grad_norm)]
-        )
-        s = self.values.sort(dim=-1).values
-        med = _median(s)
-        mad = _median((self.values - med[:, None]).abs().sort(dim=-1).values)
-        limit = torch.maximum(med + self.threshold * mad, self.min_ratio * med)
-        finite = torch.isfinite(v)
-        over = finite & (v > med + self.threshold * mad) & (v >= self.min_ratio * med) & self._use
-        ready = self.count >= self.window
-        flag = over.any() & ready if step > self.warmup_steps else torch.zeros((), dtype=torch.bool, device=self.device)
+        v = self._values(loss, grad_norm)  # [2, 1]
+        over, limits = self._judge(self.hist[:, None, :], v)
+        flag = over[0] & (self.count >= self.window) & (step > self.warmup_steps)
         if refused is not True:
-            add = ~flag & finite[0]  # the loss decides: a step without a norm still feeds the loss window
+            add = ~flag & torch.isfinite(v[0, 0])
             if isinstance(refused, Tensor):
                 add = add & ~refused
-            slot = (self._slots == self.count % self.window) & add
-            norm = torch.where(finite[1], v[1], med[1])  # no norm: the norm row keeps its median
-            self.values = torch.where(slot, torch.stack([v[0], norm])[:, None], self.values)
+            self.hist = torch.where(add, torch.cat([self.hist[:, 1:], v], dim=1), self.hist)
             self.count = self.count + add.long()
-        return flag, SpikeLimits(v, med, mad, limit)
+        return flag, limits
+
+    def judge_interval(
+        self, steps: list[int], losses: Tensor, grad_norms: Tensor | list[float]
+    ) -> tuple[Tensor, SpikeLimits]:
+        """Several consecutive steps at once (a logging interval), on the assumption that each joins the window:
+        a fixed number of operations for the interval, no host read. Call :meth:`settle` with the flags once
+        they are read: it says from which step on the assumption failed (those steps are judged again)."""
+        n = len(steps)
+        v = self._values(losses, torch.as_tensor(grad_norms, dtype=torch.float64))  # [2, n]
+        seq = torch.cat([self.hist, v], dim=1)
+        over, limits = self._judge(seq.unfold(1, self.window, 1)[:, :n], v)
+        ready = self.count + torch.arange(n, device=self.device) >= self.window
+        late = torch.tensor([s > self.warmup_steps for s in steps], device=self.device)
+        self._interval = (seq, n)
+        return over & ready & late, limits
+
+    def settle(self, flags: list[bool], healthy: list[bool]) -> int | None:
+        """After :meth:`judge_interval`'s flags were read: the window takes the interval's values up to the first
+        step that does not join it (flagged, or not ``healthy``: refused or non-finite); that step's index is
+        returned (the steps after it must be judged again, one by one, with :meth:`update`), or None when every
+        step joined (all flags stand)."""
+        seq, n = self._interval
+        self._interval = None
+        j = next((i for i in range(n) if flags[i] or not healthy[i]), None)
+        taken = n if j is None else j
+        self.hist = seq[:, taken : taken + self.window]
+        self.count = self.count + taken
+        return j
 
     def state_dict(self) -> dict[str, Any]:
         """The window as plain data (one host read: at a checkpoint), oldest first."""
         count = int(self.count)  # host read: checkpoint time only
         n = min(count, self.window)
-        order = [(count - n + i) % self.window for i in range(n)]
-        rows = self.values[:, order].tolist() if n else [[], []]
+        rows = self.hist[:, self.window - n :].tolist() if n else [[], []]
         return {"window": self.window, "count": count, "loss": rows[0], "grad_norm": rows[1]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -160,9 +188,8 @@ class SpikeDetector:
         keep = min(len(loss), self.window)
         loss, norm = loss[len(loss) - keep :], norm[len(norm) - keep :]
         values = torch.zeros(2, self.window, dtype=torch.float64)
-        values[0, :keep] = torch.tensor(loss, dtype=torch.float64)
-        values[1, :keep] = torch.tensor(norm, dtype=torch.float64)
-        # the window is full when the saved one was (count >= its size) and keeps at least this window's values
-        full = keep == self.window
-        self.values = values.to(self.device)
+        values[0, self.window - keep :] = torch.tensor(loss, dtype=torch.float64)
+        values[1, self.window - keep :] = torch.tensor(norm, dtype=torch.float64)
+        full = keep == self.window  # full when the saved window held at least this window's values
+        self.hist = values.to(self.device)
         self.count = torch.tensor(self.window if full else keep, dtype=torch.int64, device=self.device)

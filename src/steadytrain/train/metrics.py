@@ -102,11 +102,10 @@ class MetricsLog:
             losses /= self.info.world_size
         steps = [p.step for p in self._pending]
         if self.spikes is not None:  # the spike flags ride on this read: no host read of their own
-            flags = self.spikes.judge(
-                steps, losses, [p.grad_norm for p in self._pending], [p.skipped for p in self._pending]
-            )
+            flags = self.spikes.judge(steps, losses, [p.grad_norm for p in self._pending])
             values = torch.cat([losses, flags.to(losses.dtype)]).tolist()  # host sync: once per logging interval
             values, flagged = values[: len(steps)], [f > 0 for f in values[len(steps) :]]
+            flagged = self.spikes.settle(steps, flagged, values, [p.skipped for p in self._pending])
             for p in (p for p, f in zip(self._pending, flagged, strict=True) if f):
                 p.spike = True
             self.spikes.judged(steps, flagged)

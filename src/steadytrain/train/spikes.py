@@ -46,7 +46,8 @@ class _Step:
     micro_steps: tuple[int, int]
     grad_norm: float
     batch: int
-    limits: SpikeLimits | None = None
+    limits: tuple[SpikeLimits, int] | None = None
+    """The statistics it was judged by, and its column in them."""
 
 
 @dataclass
@@ -116,36 +117,60 @@ class SpikeGuard:
             self.pending[step] = _Step(self.tags, cycle, (acc.micro_steps - n, acc.micro_steps - 1), grad_norm, batch)
         self.tags = []
 
-    def judge(self, steps: list[int], losses: torch.Tensor, norms: list[float], skipped: list[bool]) -> torch.Tensor:
-        """``warn``: the flags of the interval's steps (device), from their all-reduced losses, in order."""
-        flags = []
+    def judge(self, steps: list[int], losses: torch.Tensor, norms: list[float]) -> torch.Tensor:
+        """``warn``: the flags of the interval's steps (device), from their all-reduced losses, judged together on
+        the assumption that none is a spike (:meth:`settle` corrects it after the read)."""
+        flags, limits = self.detector.judge_interval(steps, losses, norms)
         for i, step in enumerate(steps):
-            flag, limits = self.detector.update(step, losses[i], norms[i], refused=skipped[i])
-            flags.append(flag)
             if step in self.pending:
-                self.pending[step].limits = limits
-        return torch.stack(flags)
+                self.pending[step].limits = (limits, i)
+        self._losses, self._norms = losses, norms
+        return flags
+
+    def settle(self, steps: list[int], flags: list[bool], losses: list[float], skipped: list[bool]) -> list[bool]:
+        """``warn``, after the read of :meth:`judge`'s flags: the final flags. The steps after the first that did not
+        join the window (a spike, a skipped or a non-finite step) are judged again one by one, and their flags
+        read (a second read, in such an interval only)."""
+        healthy = [not k and math.isfinite(x) for k, x in zip(skipped, losses, strict=True)]
+        j = self.detector.settle(flags, healthy)
+        if j is None or j + 1 == len(steps):
+            return flags
+        again = []
+        for i in range(j + 1, len(steps)):
+            flag, limits = self.detector.update(steps[i], self._losses[i], self._norms[i], refused=skipped[i])
+            again.append(flag)
+            if steps[i] in self.pending:
+                self.pending[steps[i]].limits = (limits, 0)
+        return flags[: j + 1] + [bool(f) for f in torch.stack(again).tolist()]  # host read: spike intervals only
 
     def judged(self, steps: list[int], flags: list[bool]) -> list[int]:
         """``warn``: record the interval's spikes (every rank its own); the pending steps are done. The spikes."""
-        spikes = [s for s, f in zip(steps, flags, strict=True) if f]
+        spikes = [s for s, f in zip(steps, flags, strict=True) if f and s in self.pending]
         for step in spikes:
             p = self.pending[step]
             event = NonFiniteEvent(
                 p.cycle, self.info.rank, p.grad_norm, p.micro_steps, (), tuple(p.tags), "warn", SPIKE
             )
-            self.record(step, event, p.limits, p.batch, action="warn")
+            self.record(step, event, p.limits[0], p.batch, action="warn", column=p.limits[1])
         for step in steps:
             self.pending.pop(step, None)
         return spikes
 
     def record(
-        self, step: int, event: NonFiniteEvent, limits: SpikeLimits, batch: int, *, action: str, **extra: Any
+        self,
+        step: int,
+        event: NonFiniteEvent,
+        limits: SpikeLimits,
+        batch: int,
+        *,
+        action: str,
+        column: int = 0,
+        **extra: Any,
     ) -> dict[str, Any]:
         """Append this rank's record of the spike at ``step`` (reads its statistics and per-example losses)."""
         from steadytrain.diagnose.ledger import append_spike
 
-        stats = limits.read()  # host read: spikes only
+        stats = limits.read(column)  # host read: spikes only
         loss_over = stats["value"][0] > stats["limit"][0]
         which = 0 if self.cfg.metric == "loss" or (self.cfg.metric == "both" and loss_over) else 1
         judged = {
