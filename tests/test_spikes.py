@@ -216,3 +216,34 @@ def test_a_logging_interval_judged_at_once_flags_as_step_by_step(tmp_path, inter
         if skipped[i]:
             want[i] = got[i]
     assert got == want and sum(want) >= 6
+
+
+def test_yaml_flags_for_the_spike_section(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("spike: off\n")
+    assert load_config(path).spike.policy == "off"  # the whole section off
+    path.write_text("spike:\n  policy: on\n")
+    with pytest.raises(UserError, match=r"spike\.policy: true \(YAML reads on/yes/true as a flag\)"):
+        load_config(path)
+
+
+def test_a_damaged_spike_ledger_is_one_line_naming_the_key(tmp_path):
+    import json
+
+    from steadytrain.accumulate import NonFiniteEvent
+    from steadytrain.diagnose import report
+    from steadytrain.diagnose.ledger import SPIKES, event_record
+
+    tag = {"shard": [3], "index": [0], "losses": None}
+    record = event_record(NonFiniteEvent(0, 0, 1.0, (0, 0), (), (tag,), "warn", SPIKE), 5)
+    for key, bad in (("batch", [1]), ("rollback_to", "x"), ("value", [])):
+        (tmp_path / SPIKES).write_text(json.dumps({**record, "kind": "spike", key: bad}) + "\n")
+        with pytest.raises(UserError, match=rf"spikes\.jsonl: line 1: {key}="):
+            report(tmp_path, SPIKES)
+
+
+def test_the_batch_a_step_trained_on_after_rollbacks():
+    from steadytrain.diagnose.hunt import batch_of
+
+    # batches 3 and 4 passed over: steps 1..3 train 0..2, then 5, 6, ...
+    assert [batch_of(s, [4, 3]) for s in range(1, 7)] == [0, 1, 2, 5, 6, 7]

@@ -136,10 +136,90 @@ def test_max_rollbacks_stops_the_run_with_its_report(tmp_path):
     assert rows[-1]["step"] == SPIKE_STEP + 9 and rows[-1]["skipped"] and rows[-1]["spike"]
     summary = (tmp_path / "run" / "summary.md").read_text()
     assert "loss spikes" in summary and "spike.max_rollbacks=1" in summary.replace("\\", "")
+    # step 50 trained on batch 50 (batch 40 passed over): a replay of step 50 finds the second shard's rows
+    found = hunt(tmp_path / "run", step=SPIKE_STEP + 9, loader=run_model, kind="spike")
+    assert found.bad and {s for s, _ in found.bad} == {second}, found.sentence
     # the stopped run resumes with more rollbacks allowed, from its last checkpoint, and finishes
     proc = run_cli("train", "--resume", str(tmp_path / "run"), *sets("spike.max_rollbacks=3"))
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert [r["step"] for r in metrics(tmp_path / "run")] == list(range(1, STEPS + 1))
+
+
+def _straight(tmp: Path, name: str, data: Path, **spike) -> tuple[Path, object]:
+    cfg = train_config(data, steps=STEPS, policy=spike.pop("policy", "rollback"))
+    cfg["spike"].update(spike)
+    cfg["checkpoint"]["keep_last"] = 20
+    (tmp / f"{name}.yaml").write_text(yaml.safe_dump(cfg))
+    config = load_config(tmp / f"{name}.yaml")
+    return tmp / name, config
+
+
+def test_a_crash_right_after_a_rollback_resumes_on_the_rolled_back_timeline(tmp_path, data, monkeypatch):
+    """The checkpoints newer than the rollback's target belong to the abandoned timeline: a resume after a crash
+    must not pick them (nor lose steps); the result equals a run that did not crash."""
+    from steadytrain.train import loop
+
+    straight, config = _straight(tmp_path, "straight", data["cents"], skip_batches=5)
+    train(config, run_dir=straight)
+    run = tmp_path / "crashed"
+    real = loop.rollback
+
+    def crash(job, event):
+        real(job, event)
+        raise RuntimeError("killed right after the rollback")
+
+    monkeypatch.setattr(loop, "rollback", crash)
+    with pytest.raises(RuntimeError, match="killed"):
+        train(config, run_dir=run)
+    left = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert left == [f"step-{s:08d}" for s in (0, 10, 20, 30)]  # 40 was the abandoned timeline's
+    monkeypatch.undo()
+    train(config, resume=run)
+    resumed = [json.loads(x) for x in (run / "resumes.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in resumed] == [30]
+    for r in (straight, run):
+        lines = [json.loads(x) for x in (r / "metrics.jsonl").read_text().splitlines()]
+        assert [x["step"] for x in metrics(r)] == list(range(1, STEPS + 1))
+        assert [x for x in lines if "rollback_to" in x] == [
+            {"step": SPIKE_STEP, "rollback_to": 30, "skipped_batches": [36, 37, 38, 39, 40], "rollback": 1}
+        ]
+        assert [x["action"] for x in _spikes(r)] == ["rollback"]
+    a = load_checkpoint(latest_checkpoint(straight / "checkpoints"))["model"]
+    b = load_checkpoint(latest_checkpoint(run / "checkpoints"))["model"]
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_policies_do_not_change_a_run_without_spikes_and_retention_keeps_old_targets(tmp_path, data):
+    losses = {}
+    for policy in ("off", "warn", "skip", "rollback"):
+        run, config = _straight(tmp_path, policy, data["clean"], policy=policy)
+        train(config, run_dir=run, stop_after=12)
+        losses[policy] = [r["loss"] for r in metrics(run)]
+    assert losses["off"] == losses["warn"] == losses["skip"] == losses["rollback"]  # exactly: no step of its own
+    # skip_batches beyond checkpoint.every_steps x keep_last: the target a spike needs is kept all along
+    cfg = train_config(data["cents"], steps=STEPS, policy="rollback")
+    cfg["spike"]["skip_batches"] = 25
+    (tmp_path / "far.yaml").write_text(yaml.safe_dump(cfg))
+    train(load_config(tmp_path / "far.yaml"), run_dir=tmp_path / "far")
+    (back,) = [
+        json.loads(x) for x in (tmp_path / "far" / "metrics.jsonl").read_text().splitlines() if "rollback_to" in x
+    ]
+    assert back["rollback_to"] == 10 and back["skipped_batches"] == list(range(SPIKE_STEP - 25, SPIKE_STEP))
+
+
+def test_two_spikes_at_one_step_number_count_twice(tmp_path):
+    second = bad_shard_at(POSITION + 2, SHARDS)  # the next global batch: step 41 spikes again after the rollback
+    data = make_dataset(tmp_path / "data", shards=SHARDS, bad_shard=[BAD, second])
+    run, config = _straight(tmp_path, "run", data)
+    train(config, run_dir=run)
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [(x["step"], x["skipped_batches"]) for x in lines if "rollback_to" in x] == [(41, [40]), (41, [41])]
+    rep = report(run, SPIKES)
+    assert rep.verdict == "shard-selective" and sorted(rep.suspect_shards) == sorted([BAD, second]), rep.sentence
+    assert "2 of 2 loss spikes" in rep.sentence
+    proc = run_cli("report", str(run))
+    assert proc.returncode == 0, proc.stderr
+    assert "| loss spikes | 2 (spike.policy=rollback); 2 rollback(s)" in (run / "summary.md").read_text()
 
 
 def test_no_spike_on_clean_runs_with_warmup(tmp_path, data):

@@ -100,6 +100,9 @@ class NonFiniteEvent:
     """One of :data:`REASONS`: why the step was refused."""
     num_items: float | None = None
     """The cycle's global item total as read (NaN or negative when ``reason`` is about items)."""
+    batch: int | None = None
+    """The global batch (0-based, over epochs) the cycle trained on, when the caller knows it: after a spike's
+    rollback the same optimizer step number trains on another batch."""
 
     def as_dict(self) -> dict[str, Any]:
         """A plain dict (JSON-friendly if the tags are) that :meth:`from_dict` reads back."""

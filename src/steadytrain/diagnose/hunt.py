@@ -343,10 +343,25 @@ def _spike_rows(net, ds, batch, settings, shard, chunk) -> tuple[list[int], floa
     return rows.tolist(), limit
 
 
+def batch_of(step: int, skipped: list[int]) -> int:
+    """The global batch (0-based) optimizer ``step`` trained on: the ``step``-th of those not ``skipped`` (spike
+    rollbacks pass batches over, so later steps train on later batches).
+
+    Example:
+        >>> batch_of(41, []), batch_of(41, [40]), batch_of(39, [40]), batch_of(42, [40, 41])
+        (40, 41, 38, 43)
+    """
+    b = step - 1
+    for x in sorted(skipped):
+        if x <= b:
+            b += 1
+    return b
+
+
 def _step_batch(settings: dict[str, Any], step: int) -> dict[str, Any]:
     return global_batch(
         settings["data"],
-        step - 1,
+        batch_of(step, settings.get("skipped_batches") or []),
         global_batch_size=settings["global_batch_size"],
         seed=settings["seed"],
         shuffle_window=settings["shuffle_window"],

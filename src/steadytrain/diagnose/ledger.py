@@ -192,11 +192,11 @@ def _tag(tag: Any, i: int) -> dict[str, Any]:
     return {"shard": shard, "index": index, "nonfinite": flagged}
 
 
-def _grad_norm(value: Any) -> float:
+def _grad_norm(value: Any, key: str = "grad_norm") -> float:
     if isinstance(value, str) and value in _NORMS:
         return _NORMS[value]
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise UserError(f"grad_norm={brief(value)} must be a number, or 'nan', 'inf' or '-inf'")
+        raise UserError(f"{key}={brief(value)} must be a number, or 'nan', 'inf' or '-inf'")
     return float(value)
 
 
@@ -213,7 +213,15 @@ def _fields(record: dict[str, Any]) -> dict[str, Any]:
     if record["reason"] not in REASONS:
         raise UserError(f"reason={brief(record['reason'])} is not one of {', '.join(REASONS)}")
     n = len(tags)
+    batch = record.get("batch")
+    for key in ("batch", "rollback_to", "rollback"):  # a spike's: integers when present
+        if record.get(key) is not None:
+            check_int(key, record[key], 0, maximum=MAX_ID)
+    for key in ("value", "threshold", "median", "mad", "loss", "loss_limit"):
+        if key in record:
+            _grad_norm(record[key], key)  # a number, or 'nan'/'inf'/'-inf' as written
     return {
+        "batch": batch,
         "cycle": check_int("cycle", record["cycle"], 0, maximum=MAX_ID),
         "rank": check_int("rank", record["rank"], 0, maximum=MAX_ID),
         "grad_norm": _grad_norm(record["grad_norm"]),
@@ -255,7 +263,7 @@ def read_ledger(run_dir: str | Path, name: str = LEDGER) -> list[tuple[int, NonF
     for n, record in read_jsonl(path, what="spike ledger" if name == SPIKES else "non-finite ledger"):
         step, event = _event(record, f"{path}: line {n}")
         # A spike rolled back and its step number trained again on the next batch: the batch tells them apart.
-        key = (step, event.rank, record.get("batch") if name == SPIKES else None)
+        key = (step, event.rank, event.batch)
         first = seen.setdefault(key, n)
         if first != n:  # one line per rank per refused step: a copy would count its examples twice
             raise UserError(f"{path}: line {n}: step {step} of rank {event.rank} is on line {first} too; {LEDGER_FIX}")

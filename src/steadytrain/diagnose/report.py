@@ -4,11 +4,14 @@ The evidence is the ledger (see :mod:`.ledger`): for each refused step, every ra
 (shard and index of each example) and which examples had a non-finite *local* loss. The question is
 whether those examples come from some shards far more often than chance allows.
 
-The test. Over the refused steps whose non-finite losses were localized (some rank saw one), let
-``n`` be the non-finite example losses and ``k_s`` those from shard ``s``; let ``q_s`` be shard
-``s``'s share of all the examples *in play* in those same steps (every rank's micro-batches). If the
-non-finite values had nothing to do with the data, each would come from shard ``s`` with probability
-``q_s``: ``k_s ~ Binomial(n, q_s)``. A shard is a suspect when its upper tail ``P(X >= k_s)``,
+The test. Over the refused steps whose non-finite losses were localized (some rank saw one) and in
+which shard ``s`` was in play, let ``n_s`` be the non-finite example losses and ``k_s`` those from
+shard ``s``; let ``q_s`` be shard ``s``'s share of all the examples *in play* in those same steps
+(every rank's micro-batches). If the non-finite values had nothing to do with the data, each would
+come from shard ``s`` with its step's share: ``k_s`` is a sum of binomials, whose upper tail the
+binomial ``Binomial(n_s, q_s)`` of the same mean bounds (Hoeffding 1956), so that tail is the test.
+Weighing each shard against the steps it was read in keeps several bad shards, each behind its own
+spike, from diluting one another. A shard is a suspect when its upper tail ``P(X >= k_s)``,
 Bonferroni-corrected over the shards tested, is below :data:`ALPHA`. Conditioning on what was in
 play (rather than on the run's whole exposure) keeps a learning-rate blow-up late in training, which
 turns every example of those steps non-finite, from incriminating whichever shards happened to be
@@ -108,10 +111,12 @@ def _flagged(event: NonFiniteEvent, tag: dict[str, Any], i: int) -> list[int]:
     return list(tag["shard"]) if i in event.nonfinite_micro_batches else []
 
 
-def _by_step(events: list[tuple[int, NonFiniteEvent]]) -> dict[int, _Step]:
-    steps: dict[int, _Step] = {}
+def _by_step(events: list[tuple[int, NonFiniteEvent]]) -> dict[tuple[int, int | None], _Step]:
+    """Every rank's records of each step, keyed by ``(step, batch)``: after a spike's rollback the same step
+    number trains on another batch (a second event)."""
+    steps: dict[tuple[int, int | None], _Step] = {}
     for step, event in events:
-        st = steps.setdefault(step, _Step())
+        st = steps.setdefault((step, event.batch), _Step())
         for i, tag in enumerate(event.tags):
             st.in_play.update(tag["shard"])
             bad = _flagged(event, tag, i)
@@ -121,7 +126,7 @@ def _by_step(events: list[tuple[int, NonFiniteEvent]]) -> dict[int, _Step]:
     return steps
 
 
-def _test(steps: dict[int, _Step], exposure: dict[int, int] | None) -> tuple[Counter, Counter, bool]:
+def _test(steps: dict[Any, _Step], exposure: dict[int, int] | None) -> tuple[Counter, Counter, bool]:
     """``(k per shard, n * q per shard as weights, localized)`` of the test described in the module docstring."""
     localized = any(st.flagged for st in steps.values())
     k, base = Counter(), Counter()
@@ -135,7 +140,7 @@ def _test(steps: dict[int, _Step], exposure: dict[int, int] | None) -> tuple[Cou
     return k, base, localized
 
 
-def _shard_stats(steps: dict[int, _Step], exposure: dict[int, int] | None) -> tuple[list[ShardStats], bool]:
+def _shard_stats(steps: dict[Any, _Step], exposure: dict[int, int] | None) -> tuple[list[ShardStats], bool]:
     k, base, localized = _test(steps, exposure)
     n, total = sum(k.values()), sum(base.values())
     events = Counter()
@@ -143,12 +148,24 @@ def _shard_stats(steps: dict[int, _Step], exposure: dict[int, int] | None) -> tu
         events.update(set(st.flagged) if st.flagged else set(st.in_play))
     out = []
     for s in sorted(set(events) | set(exposure or {}) | set(base)):
-        q = base[s] / total if total else 0.0
+        n_s, q = (n, base[s] / total if total else 0.0) if not localized else _in_play_share(steps, s)
         seen = exposure.get(s, 0) if exposure is not None else None
-        p = binomial_sf(min(k[s], n), n, min(q, 1.0)) if n else 1.0
-        out.append(ShardStats(s, events[s], seen, events[s] / seen if seen else None, k[s], round(n * q, 3), p))
+        p = binomial_sf(min(k[s], n_s), n_s, min(q, 1.0)) if n_s else 1.0
+        out.append(ShardStats(s, events[s], seen, events[s] / seen if seen else None, k[s], round(n_s * q, 3), p))
     out.sort(key=lambda st: (st.p_value, -st.events, st.shard))
     return out, localized
+
+
+def _in_play_share(steps: dict[Any, _Step], shard: int) -> tuple[int, float]:
+    """``(n_s, q_s)``: the flagged examples of the localized steps in which ``shard`` was in play, and its share of
+    the examples in play in those steps (a shard read in one step is weighed against that step alone)."""
+    n = in_play = total = 0
+    for st in steps.values():
+        if st.flagged and shard in st.in_play:
+            n += sum(st.flagged.values())
+            in_play += st.in_play[shard]
+            total += sum(st.in_play.values())
+    return n, in_play / total if total else 0.0
 
 
 def _pct(part: int, whole: int) -> str:
@@ -156,7 +173,7 @@ def _pct(part: int, whole: int) -> str:
     return f"{share:.1%}" if share >= 0.001 else f"{100 * share:.2g}%"
 
 
-def _covered(steps: dict[int, _Step], shards: set[int]) -> int:
+def _covered(steps: dict[Any, _Step], shards: set[int]) -> int:
     """Refused steps in which one of ``shards`` is implicated (flagged, or in play when nothing was)."""
     return sum(1 for st in steps.values() if set(st.flagged or st.in_play) & shards)
 
@@ -236,5 +253,5 @@ def report(run_dir: str | Path, ledger: str = LEDGER) -> NonFiniteReport:
     sentence = _sentence(verdict, suspects, stats, steps, exposure, _WORDS[ledger])
     stats.sort(key=lambda st: (-st.events, st.shard))
     return NonFiniteReport(
-        verdict, [s.shard for s in suspects], stats, ranks, sentence, sorted(steps), localized, ALPHA
+        verdict, [s.shard for s in suspects], stats, ranks, sentence, sorted(s for s, _ in steps), localized, ALPHA
     )

@@ -30,6 +30,7 @@ from steadytrain.diagnose.demo import launch
 from steadytrain.diagnose.hunt import HuntReport, Loader, hunt
 from steadytrain.diagnose.ledger import SPIKES
 from steadytrain.diagnose.report import NonFiniteReport, report
+from steadytrain.errors import UserError
 
 __all__ = ["SpikeDemo", "bad_shard_at", "make_dataset", "run_demo", "train_config"]
 
@@ -129,6 +130,8 @@ def _final_loss(run_dir: Path, last: int = 10) -> float | None:
 def run_demo(root: Path | None, *, loader: Loader, position: int = 80, steps: int = 100, nproc: int = 2) -> SpikeDemo:
     """Write the data, train with rollback on ``nproc`` ranks, report and hunt; train the clean data too."""
     root = Path(root or tempfile.mkdtemp(prefix="steadytrain-demo-spike-"))
+    if root.exists() and (not root.is_dir() or any(root.iterdir())):
+        raise UserError(f"--dir {root}: not an empty directory (a previous demo?): give a new or empty one")
     shards = 2 * steps + 40
     bad = bad_shard_at(position, shards)
     runs: dict[str, Path] = {}

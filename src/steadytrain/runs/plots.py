@@ -107,12 +107,18 @@ def best_eval(rec: RunRecord) -> dict | None:
     return min(finite, key=lambda r: r["val_loss"]) if finite else None
 
 
+def applied_losses(rec: RunRecord) -> list[float | None]:
+    """Each step's loss, None on a refused (skipped) step: its update was never applied, and a refused spike's
+    loss (thousands of times the others) would flatten the curve and the smoothed loss (it is marked instead)."""
+    return [None if r.get("skipped") else r.get("loss") for r in rec.metrics]
+
+
 def loss_plot(rec: RunRecord, path: Path) -> Path:
     """Raw and smoothed training loss; skipped (non-finite) steps, loss spikes and rollbacks marked; the
     validation loss beside it, its best step marked."""
     fig = _figure()
     ax = fig.add_subplot()
-    steps, loss = rec.steps, rec.column("loss")
+    steps, loss = rec.steps, applied_losses(rec)
     ax.plot(*_points(steps, loss), color="tab:blue", alpha=0.35, linewidth=1, label="loss (raw)")
     ax.plot(*_points(steps, smooth(loss)), color="tab:blue", linewidth=2, label="loss (smoothed)")
     spikes = set(rec.spikes)

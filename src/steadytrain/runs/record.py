@@ -49,7 +49,8 @@ class RunRecord:
     rollbacks: list[dict[str, Any]] = field(default_factory=list)
     """Spike rollbacks' rows: ``step``, ``rollback_to``, ``skipped_batches``."""
     spikes: list[int] = field(default_factory=list)
-    """The optimizer steps of the loss spikes in ``spikes.jsonl`` (each once, in order)."""
+    """The optimizer step of each loss spike in ``spikes.jsonl``, in order (a step twice when a rollback's second
+    try at it spiked too)."""
     resumes: list[dict[str, Any]] = field(default_factory=list)
     """``resumes.jsonl``: each resume's ``step``, ``world_size`` and ``changes`` (``{key: [old, new]}``)."""
 
@@ -110,7 +111,7 @@ def load_run(path: str | Path) -> RunRecord:
         metrics=metrics,
         evals=evals,
         rollbacks=rollbacks,
-        spikes=sorted({step for step, _ in read_ledger(run.path, SPIKES)}),
+        spikes=[step for step, _ in sorted({(step, e.batch or 0) for step, e in read_ledger(run.path, SPIKES)})],
         resumes=read_resumes(run.resumes),
     )
 

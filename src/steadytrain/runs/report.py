@@ -115,14 +115,15 @@ def plan_sentence(plan: dict[str, Any]) -> str:
 
 
 def _stats(rec: RunRecord) -> dict[str, Any]:
-    loss = rec.column("loss")
+    loss = plots.applied_losses(rec)
     rates = [r for r in rec.column("items_per_s")[1:] if r] or [r for r in rec.column("items_per_s") if r]
     last = rec.metrics[-1] if rec.metrics else {}
+    applied = [r for r in rec.metrics if not r.get("skipped")]
     return {
         "steps": last.get("step", 0),
         "skipped": sum(bool(r.get("skipped")) for r in rec.metrics),
         "clipped": sum(bool(r.get("clipped")) for r in rec.metrics),
-        "final": last.get("loss"),
+        "final": applied[-1].get("loss") if applied else None,
         "smoothed": (smooth(loss) or [None])[-1],
         "rate": statistics.median(rates) if rates else None,
         "elapsed": last.get("elapsed_s"),

@@ -167,6 +167,10 @@ class SpikeConfig(_Section):
     @classmethod
     def _yaml_off(cls, value: Any) -> Any:
         """YAML reads an unquoted ``off`` as false: ``spike.policy: off`` means the policy ``off``."""
+        if value is True:
+            raise ValueError(
+                "true (YAML reads on/yes/true as a flag) is not a policy: give off, warn, skip or rollback"
+            )
         return "off" if value is False else value
 
 
@@ -245,6 +249,14 @@ class TrainConfig(_Section):
     checkpoint: CheckpointConfig = CheckpointConfig()
     eval: EvalConfig = EvalConfig()
     run: RunConfig = RunConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _spike_off(cls, data: Any) -> Any:
+        """``spike: off`` (YAML: false) turns the whole section off."""
+        if isinstance(data, dict) and data.get("spike") is False:
+            return {**data, "spike": {"policy": "off"}}
+        return data
 
     @model_validator(mode="after")
     def _default_validation(self) -> TrainConfig:

@@ -28,7 +28,7 @@ from steadytrain.train.evaluate import Validation, evaluate, precision_context
 from steadytrain.train.job import Interrupted, Job, TrainingStopped
 from steadytrain.train.metrics import MetricsLog, Progress
 from steadytrain.train.models import build_model, check_losses
-from steadytrain.train.recover import ROLLED_BACK, keep_for_rollback, restore_rng, rollback
+from steadytrain.train.recover import ROLLED_BACK, fresh_optimizer_state, keep_for_rollback, restore_rng, rollback
 from steadytrain.train.resume import apply_hyperparameters, hyperparameters
 from steadytrain.train.setup import (
     build_accumulator,
@@ -118,6 +118,7 @@ def _resume(job: Job) -> None:
         raise UserError(f"{job.run.path}: no checkpoint to resume from (checkpoints/ is empty)")
     configured = hyperparameters(job.optimizer)  # the config's settings, before the checkpoint's replace them
     saved = restore(path, job.model, job.optimizer, no_dist=job.info.backend is None)  # each rank its shards
+    fresh_optimizer_state(job, saved["step"])
     job.state.load_state_dict(saved["train"], is_main=job.info.is_main)
     apply_hyperparameters(job.optimizer, job.acc.scheduler, configured)  # a new LR or schedule applies from here
     restore_rng(job, path, saved)
@@ -143,8 +144,16 @@ def _run(job: Job) -> dict[str, Any]:
         spikes=job.spikes if job.spikes.collects else None,
     )
     runfiles.log_start(job)
+    sp = job.cfg.spike
+    if sp.policy != "off" and job.info.is_main and sp.window + job.plan.warmup_steps >= _last_step(job):
+        log.warning(
+            "spike.window=%d after %d warmup step(s) covers the run's %d steps: no step can be judged a spike",
+            sp.window, job.plan.warmup_steps, _last_step(job),
+        )  # fmt: skip
     if job.cfg.spike.policy == "rollback" and latest_checkpoint(job.run.checkpoints) is None:
         _checkpoint(job)  # the state a spike before the first periodic checkpoint rolls back to
+        job.writer.wait_staged()  # its copy of the optimizer state is taken before that state is dropped
+        fresh_optimizer_state(job, 0)
     stopped = None
     try:
         stopped = _steps(job)

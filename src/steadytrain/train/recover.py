@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
     from steadytrain.accumulate import NonFiniteEvent
     from steadytrain.train.job import Job
 
-__all__ = ["ROLLED_BACK", "keep_for_rollback", "restore_rng", "rollback"]
+__all__ = ["ROLLED_BACK", "fresh_optimizer_state", "keep_for_rollback", "restore_rng", "rollback"]
 
 log = logging.getLogger("steadytrain.train")
 
@@ -39,16 +40,24 @@ ROLLED_BACK = "rolled back"
 
 def keep_for_rollback(job: Job) -> set[int]:
     """Checkpoints retention keeps whatever ``checkpoint.keep_last`` says: those rollbacks went back to (the
-    weights a spike's hunt replays), and the one a spike at the next step would roll back to."""
+    weights a spike's hunt replays), and every one a later spike could roll back to: from the newest at or before
+    ``step + 1 - spike.skip_batches`` (the target of a spike at the next step) on, or all of them when none is
+    that old yet (a later spike's target moves forward as the run does)."""
     keep = set(job.spikes.restored)
     if job.cfg.spike.policy != "rollback":
         return keep
-    # a save at this step is the newest; the rollback target of step + 1 is the newest at or before this bound
+    found = [s for s, _ in list_checkpoints(job.run.checkpoints)]
     bound = job.state.step + 1 - job.cfg.spike.skip_batches
-    if bound >= job.state.step:
-        return keep
-    found = [s for s, _ in list_checkpoints(job.run.checkpoints) if s <= bound]
-    return keep | ({found[-1]} if found else set())
+    older = [s for s in found if s <= bound]
+    return keep | {s for s in found if not older or s >= older[-1]}
+
+
+def fresh_optimizer_state(job: Job, step: int) -> None:
+    """A state restored from step 0 starts with no optimizer state, as the run did: saving the optimizer before its
+    first step makes ``torch.distributed.checkpoint`` create its state with a step of its own (AdamW's step count
+    would be one ahead, its bias correction shifted for the whole run)."""
+    if step == 0:
+        job.optimizer.state.clear()
 
 
 def rollback(job: Job, event: NonFiniteEvent) -> str:
@@ -65,6 +74,8 @@ def rollback(job: Job, event: NonFiniteEvent) -> str:
     why = None
     if guard.rollbacks >= cfg.max_rollbacks:
         why = f"{guard.rollbacks} rollback(s) already (spike.max_rollbacks={cfg.max_rollbacks})"
+    elif step - cfg.skip_batches < 0:
+        why = f"spike.skip_batches={cfg.skip_batches} reaches back before the run's start: lower it"
     elif target_step < 0:
         why = f"no checkpoint at or before step {step - cfg.skip_batches} to roll back to"
     if why is not None:
@@ -77,12 +88,17 @@ def rollback(job: Job, event: NonFiniteEvent) -> str:
     guard.record(step, event, guard.limits, batch, action="rollback", rollback_to=target_step, rollback=n)
     skipped, restored = list(guard.skipped), [*guard.restored, target_step]
     saved = restore(target, job.model, job.optimizer, no_dist=job.info.backend is None)
+    fresh_optimizer_state(job, target_step)
     job.state.load_state_dict(saved["train"], is_main=job.info.is_main)  # the window and recent batches of C
     restore_rng(job, target, saved)
+    restored = [s for s in restored if s <= target_step]
     guard.rollbacks, guard.skipped, guard.restored = n, skipped, restored  # what happened since C is not undone
     guard.pass_over(batches)
     job.ended = None
     if job.info.is_main:
+        for s, path in list_checkpoints(job.run.checkpoints):  # states the run has gone back from: never resumed
+            if s > target_step:
+                shutil.rmtree(path) if path.is_dir() else path.unlink()
         runfiles.truncate_logs(job.run, target_step, rollbacks=None)
         row = {"step": step, "rollback_to": target_step, "skipped_batches": batches, "rollback": n}
         append_jsonl(job.run.metrics, row)

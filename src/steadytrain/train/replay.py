@@ -143,7 +143,8 @@ def run_model(
         ``seed``, ``global_batch_size``, ``micro_batch_size``, ``shuffle_window``, ``checkpoint`` (None
         for the initial weights), ``checkpoint_step`` (0 for the initial weights) and ``note`` (None
         when the weights are exactly those of ``before_step``; else what they are instead) and ``spike``
-        (the run's ``threshold`` and ``min_ratio``: what an outlying loss is).
+        (the run's ``threshold`` and ``min_ratio``: what an outlying loss is) and ``skipped_batches`` (the global
+        batches spike rollbacks passed over: step ``s`` trained on the ``s``-th of the others).
 
     Raises:
         UserError: not a run directory, an unreadable checkpoint, or one that does not fit the model.
@@ -151,7 +152,8 @@ def run_model(
     run = open_run_dir(Path(run_dir))
     cfg = load_config(run.config)
     path = data_path(cfg)
-    last = max((r["step"] for r in read_metrics(run.metrics)[0]), default=None)
+    rollbacks: list[dict[str, Any]] = []
+    last = max((r["step"] for r in read_metrics(run.metrics, rollbacks)[0]), default=None)
     if before_step is not None and last is not None and before_step >= last:
         raise UserError(f"step {before_step + 1}: the run has {last} optimizer steps (metrics.jsonl): give 1 to {last}")
     if checkpoint is None:
@@ -177,5 +179,6 @@ def run_model(
         "checkpoint_step": step,
         "note": weights_note(step, before_step),
         "spike": {"threshold": cfg.spike.threshold, "min_ratio": cfg.spike.min_ratio},
+        "skipped_batches": sorted({b for r in rollbacks for b in r["skipped_batches"]}),
     }
     return model, settings

@@ -18,6 +18,7 @@ the train state (:meth:`state_dict`).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from dataclasses import dataclass, field
@@ -183,7 +184,7 @@ class SpikeGuard:
             "action": action,
             **extra,
         }
-        event = NonFiniteEvent(**{**event.as_dict(), "action": action, "tags": event.tags})
+        event = dataclasses.replace(event, action=action, batch=batch)
         record = append_spike(self.ledger, event, step, judged)
         if self.info.is_main:
             log.warning(
