@@ -247,3 +247,15 @@ def test_the_batch_a_step_trained_on_after_rollbacks():
 
     # batches 3 and 4 passed over: steps 1..3 train 0..2, then 5, 6, ...
     assert [batch_of(s, [4, 3]) for s in range(1, 7)] == [0, 1, 2, 5, 6, 7]
+
+
+def test_a_complete_last_line_that_is_not_json_is_damage_not_a_torn_write(tmp_path):
+    """A kill mid-write leaves a line without its newline; a line with one was written whole: damage, an error."""
+    from steadytrain._io import read_jsonl
+
+    path = tmp_path / "m.jsonl"
+    path.write_text('{"step": 1}\n{"step": 2, "lo')
+    assert read_jsonl(path) == [(1, {"step": 1})]
+    path.write_text('{"step": 1}\ngarbage\n')
+    with pytest.raises(UserError, match="m.jsonl:2"):
+        read_jsonl(path)

@@ -314,9 +314,10 @@ def load_json(path: str | Path, *, what: str = "JSON file") -> Any:
 def read_jsonl(path: str | Path, *, what: str = "JSON-lines file") -> list[tuple[int, Any]]:
     r"""``(line number, value)`` of every line of a JSON-lines log the project appends to; ``[]`` if absent.
 
-    The one rule for a torn record: the last line, when it is not JSON (a kill in the middle of its
-    write), is skipped with a warning. Any other malformed line is a :class:`UserError` naming the
-    file and line. Lines are parsed as strictly as :func:`load_json`.
+    The one rule for a torn record: the last line, when it is not JSON and no newline ends it (a kill in
+    the middle of its write: each record is written with its newline in one ``write``), is skipped with a
+    warning. Any other malformed line, a complete last one too, is a :class:`UserError` naming the file and
+    line. Lines are parsed as strictly as :func:`load_json`.
 
     Example:
         >>> import tempfile, os
@@ -330,6 +331,7 @@ def read_jsonl(path: str | Path, *, what: str = "JSON-lines file") -> list[tuple
         return []
     lines = read_text(path, what=what, max_bytes=MAX_LOG_BYTES).split("\n")
     last = max((n for n, line in enumerate(lines, start=1) if line.strip()), default=0)
+    last = last if last == len(lines) else 0  # a newline after it: the line was written whole
     out = []
     for n, line in enumerate(lines, start=1):
         if not line.strip():
