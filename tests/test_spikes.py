@@ -257,5 +257,5 @@ def test_a_complete_last_line_that_is_not_json_is_damage_not_a_torn_write(tmp_pa
     path.write_text('{"step": 1}\n{"step": 2, "lo')
     assert read_jsonl(path) == [(1, {"step": 1})]
     path.write_text('{"step": 1}\ngarbage\n')
-    with pytest.raises(UserError, match="m.jsonl:2"):
+    with pytest.raises(UserError, match=r"m\.jsonl:2"):
         read_jsonl(path)
