@@ -26,6 +26,8 @@ from steadytrain.train.loop import train
 from steadytrain.train.replay import run_model
 from tests.train_utils import TINY, metrics, run_cli, sets, write_text_dataset
 
+pytestmark = pytest.mark.distributed  # several tests launch 2 gloo ranks
+
 STEPS, POSITION, SHARDS = 60, 80, 160
 SPIKE_STEP = POSITION // 2 + 1  # two shards per global batch
 BAD = bad_shard_at(POSITION, SHARDS)
