@@ -191,7 +191,7 @@ def _steps(job: Job) -> str | None:
             job.ds.set_epoch(job.state.epoch)
         resumed = False
         for mb in job.ds:
-            if job.spikes.skips(job.ds.global_step):
+            if job.spikes.skipped and job.spikes.skips(job.ds.global_step):
                 continue  # a batch a rolled-back spike ended at: never trained on
             try:
                 result, loss = _micro_batch(job, mb)
@@ -243,7 +243,8 @@ def _micro_batch(job: Job, mb: dict[str, Any]) -> tuple[Any, torch.Tensor]:
         loss = check_losses(out, len(index)).float().mean()
         if out.dim() == 1:
             tag["losses"] = out.detach()  # per-example; its flags are computed only if the step is refused
-        tag["loss"] = loss.detach()
+        if job.spikes.detector is not None:  # a spike's record of a model that returns a scalar loss
+            tag["loss"] = loss.detach()
         m.backward(loss)
         # before the with block ends (and the cycle with it): the accumulator's veto judges the step loss
         job.step_loss = loss.detach() if m.position == 0 else job.step_loss + loss.detach()
