@@ -1,5 +1,6 @@
 """Sharded Parquet datasets with per-shard provenance, schema validation and deterministic rank assignment."""
 
+from steadytrain.data.batched import BatchedDataset, global_batch
 from steadytrain.data.checks import (
     FieldViolation,
     PolicyCounts,
@@ -25,13 +26,13 @@ from steadytrain.data.provenance import (
     provenance_differences,
     provenance_outliers,
 )
-from steadytrain.data.replay import global_batch
 from steadytrain.data.schema import POLICIES, FieldSpec, Schema, SchemaError, SchemaViolationError
 from steadytrain.data.sharded import ShardedDataset, assign_shards, collate_examples
 
 __all__ = [
     "INDEX",
     "POLICIES",
+    "BatchedDataset",
     "CorruptShardError",
     "Dataset",
     "DatasetError",

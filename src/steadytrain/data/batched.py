@@ -1,14 +1,13 @@
-"""Batched mode of ``ShardedDataset``: columnar micro-batches in one global order for any world size.
+"""``BatchedDataset``: columnar micro-batches in one global order for any world size (for training).
 
-``ShardedDataset(path, batch_size=B, accumulation_steps=K, rank=r, world_size=W)`` yields this
-rank's micro-batches: dicts of column -> tensor (numeric) or list (strings), with ``shard`` and
-``index`` always present. The order is defined globally (see :mod:`steadytrain.data.order`), so:
+``BatchedDataset(path, batch_size=B, accumulation_steps=K, rank=r, world_size=W)`` yields this rank's
+micro-batches: dicts of column -> tensor (numeric) or list (strings), with ``shard`` and ``index``
+always present. The order is defined globally (see :mod:`steadytrain.data.order`), so:
 
 - every rank yields exactly ``steps_per_epoch · K`` micro-batches per epoch (no DDP hang on uneven
   shards); the remainder ``N mod G`` is dropped and reported as ``dropped_per_epoch``;
 - optimizer step ``s`` holds the same examples whatever ``W``, ``K`` and ``B`` are (with ``G`` fixed),
-  so a run resumes on another number of ranks, and :func:`~steadytrain.data.replay.global_batch`
-  replays one step on one process.
+  so a run resumes on another number of ranks, and :func:`global_batch` replays one step on one process.
 
 What each rank reads: every shard of every window it has a micro-batch in (with ``W`` ranks on one
 node the shards are read ``W`` times, from the OS page cache after the first). Memory: one window,
@@ -16,30 +15,35 @@ node the shards are read ``W`` times, from the OS page cache after the first). M
 shuffles better and costs proportionally more memory; the default, 8 shards, is a few hundred MB for
 shards of ~50 MB decoded. Load-time policies that may drop rows (``drop``, ``clamp``) need each
 shard's surviving row count before the first step: a counting pass reads the shards once.
+
+The per-example reader, :class:`~steadytrain.data.sharded.ShardedDataset`, shares the column guard and
+argument checks of :mod:`steadytrain.data.columns`; this module imports nothing from it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import torch
-from torch.utils.data import get_worker_info
+from torch.utils.data import IterableDataset, get_worker_info
 
 from steadytrain._check import check_int
 from steadytrain._io import brief
 from steadytrain.data.columnar import concat_columns, slice_columns, to_columns
-from steadytrain.data.columns import ColumnGuard
-from steadytrain.data.format import Dataset, DatasetError
+from steadytrain.data.columns import ColumnGuard, check_reader_args, select_shards
+from steadytrain.data.format import Dataset, DatasetError, open_dataset
 from steadytrain.data.order import GlobalLayout, check_layout_fits, epoch_windows, window_permutation
 from steadytrain.data.policy import PolicyCounts, apply_policy
+from steadytrain.data.transform import Transform, apply_transform
 from steadytrain.errors import UserError
 
-__all__ = ["DEFAULT_SHUFFLE_WINDOW", "BatchedMode"]
+__all__ = ["DEFAULT_SHUFFLE_WINDOW", "BatchedDataset", "global_batch"]
 
 log = logging.getLogger(__name__)
 
@@ -48,48 +52,96 @@ _STATE_KEYS = ("epoch", "micro", "step", "seed", "global_batch_size", "batch_siz
 _STATE_KEYS += ("world_size", "shuffle", "shuffle_window", "dataset", "counts")
 
 
-def _rows(value: Any) -> str | int:
-    """The number of rows of a transformed column (an int), or what it is instead (a str)."""
-    if isinstance(value, torch.Tensor | np.ndarray) and value.ndim == 0:
-        return "0-dim tensor (no rows)"
-    try:
-        return len(value)
-    except TypeError:
-        return f"{type(value).__name__} (no rows)"
+class BatchedDataset(IterableDataset):
+    """This rank's micro-batches of the epoch's global order; the position is kept for an exact resume.
 
+    Args:
+        path: a dataset directory or an opened ``Dataset``.
+        batch_size: ``B``, examples per micro-batch.
+        accumulation_steps: ``K``, micro-batches per optimizer step.
+        rank, world_size: this data-parallel rank of ``W``.
+        shuffle, seed, epoch: the order (shards shuffled in windows, rows within a window), per epoch.
+        shards: restrict to these shard ids.
+        schema, policy: a :class:`~steadytrain.data.Schema` applied at load time (``raise | drop | clamp``).
+        verify: check each shard's sha256 once per process before reading it.
+        shuffle_window: shards whose rows are shuffled together (memory: this many shards; default 8).
+        transform: ``transform(mb) -> mb``, a vectorized hook applied to every micro-batch.
 
-class BatchedMode:
-    """The state and iteration of the batched mode; :class:`ShardedDataset` delegates to it."""
+    Raises:
+        UserError: a bad argument (named, with the fix); DatasetError: shards not in the index, or
+            an epoch too small for one global batch.
+    """
 
     def __init__(
         self,
-        dataset: Dataset,
-        shard_ids: list[int],
+        path: str | Path | Dataset,
         *,
-        rank: int,
-        layout: GlobalLayout,
-        shuffle: bool,
-        seed: int,
-        window: int | None,
-        schema: Any,
-        policy: str,
-        transform: Callable[[dict[str, Any]], dict[str, Any]] | None,
-        verify: bool,
+        batch_size: int,
+        accumulation_steps: int = 1,
+        rank: int = 0,
+        world_size: int = 1,
+        shuffle: bool = True,
+        seed: int = 0,
+        epoch: int = 0,
+        shards: list[int] | None = None,
+        schema: Any = None,
+        policy: str = "raise",
+        verify: bool = True,
+        shuffle_window: int | None = None,
+        transform: Transform | None = None,
     ) -> None:
+        super().__init__()
+        check_reader_args(
+            rank=rank, world_size=world_size, seed=seed, epoch=epoch, policy=policy,
+            flags={"shuffle": shuffle, "verify": verify},
+        )  # fmt: skip
         if transform is not None and not callable(transform):
             raise UserError(f"transform={transform!r} is not callable: give a function mb -> mb")
-        self.dataset, self.shard_ids, self.rank, self.layout = dataset, shard_ids, rank, layout
-        window = DEFAULT_SHUFFLE_WINDOW if window is None else window
-        self.shuffle, self.seed, self.window = shuffle, seed, check_int("shuffle_window", window)
-        self.schema, self.policy, self.transform, self.verify = schema, policy, transform, verify
-        self.columns = ColumnGuard(dataset, shard_ids, verify=verify)
-        self.fingerprint = dataset.fingerprint(shard_ids)
-        self.counts = PolicyCounts()
+        self.dataset = path if isinstance(path, Dataset) else open_dataset(path)
+        self.shard_ids = select_shards(self.dataset, shards)
+        self.layout = GlobalLayout(batch_size, accumulation_steps, world_size)
+        self.rank, self.world_size, self.shuffle, self.seed = rank, world_size, bool(shuffle), seed
+        window = DEFAULT_SHUFFLE_WINDOW if shuffle_window is None else shuffle_window
+        self.window = check_int("shuffle_window", window)
+        self.schema, self.policy, self.transform, self.verify = schema, policy, transform, bool(verify)
+        self.columns = ColumnGuard(self.dataset, self.shard_ids, verify=self.verify)
+        self.fingerprint = self.dataset.fingerprint(self.shard_ids)
+        self.counts = PolicyCounts()  # rows dropped / clamped by the load-time policy, per field and kind
         self._rows = self._row_counts()
         total = sum(self._rows.values())
-        self.steps_per_epoch = check_layout_fits(layout, total, str(dataset.path))
-        self.dropped_per_epoch = total - self.steps_per_epoch * layout.global_batch_size
-        self.epoch, self.micro = 0, 0  # micro-batches of this rank consumed in the epoch
+        self.steps_per_epoch = check_layout_fits(self.layout, total, str(self.dataset.path))
+        self.dropped_per_epoch = total - self.steps_per_epoch * self.layout.global_batch_size
+        self.epoch, self.micro = epoch, 0  # micro-batches of this rank consumed in the epoch
+
+    @property
+    def global_batch_size(self) -> int:
+        """``G = batch_size x accumulation_steps x world_size``."""
+        return self.layout.global_batch_size
+
+    @property
+    def num_examples(self) -> int:
+        """Examples in an epoch's global order, after the load-time policy."""
+        return self.steps_per_epoch * self.layout.global_batch_size + self.dropped_per_epoch
+
+    @property
+    def global_step(self) -> int:
+        """The global batch (0-based, counted over epochs: ``epoch x steps_per_epoch + step``) that the
+        micro-batch yielded last belongs to; a training loop names the batches it skips by it."""
+        return self.epoch * self.steps_per_epoch + max(self.micro - 1, 0) // self.layout.accumulation_steps
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start ``epoch`` from its beginning (a new order when shuffling)."""
+        self.epoch, self.micro = check_int("epoch", epoch, 0), 0
+
+    def seek(self, step: int, *, epoch: int | None = None) -> None:
+        """Position at optimizer step ``step`` of ``epoch`` (default: counted from the start of training, over
+        epochs): the next micro-batch yielded is this rank's first of that step."""
+        check_int("step", step, 0)
+        if epoch is None:
+            epoch, step = divmod(step, self.steps_per_epoch)
+        elif step >= self.steps_per_epoch:
+            raise UserError(f"step={step} is past the {self.steps_per_epoch} optimizer steps of an epoch")
+        self.epoch, self.micro = check_int("epoch", epoch, 0), step * self.layout.accumulation_steps
 
     def _row_counts(self) -> dict[int, int]:
         """Rows per shard as the order sees them (after a policy that may drop rows)."""
@@ -175,36 +227,41 @@ class BatchedMode:
         pos = np.concatenate([np.arange(a - ws, b - ws) for _, a, b, _ in ranges])
         return table.take(pa.array(perm[pos] if perm is not None else pos))
 
-    def __iter__(self) -> Iterator[dict[str, Any]]:
+    def micro_batch_shards(self, m: int) -> list[int]:
+        """The shards micro-batch ``m`` of this rank's epoch reads (for messages; reads no data)."""
+        k = self.layout.accumulation_steps
+        start = self.layout.micro_batch_start(step=m // k, micro=m % k, rank=self.rank)
+        stop, ws, out = start + self.layout.batch_size, 0, set()
+        windows = epoch_windows(
+            self.shard_ids, seed=self.seed, epoch=self.epoch, shuffle=self.shuffle, window=self.window
+        )
+        for wi, shards in enumerate(windows):
+            sizes = [self._rows[s] for s in shards]
+            we = ws + sum(sizes)
+            if start < we and stop > ws:
+                perm = window_permutation(
+                    we - ws, seed=self.seed, epoch=self.epoch, window_index=wi, shuffle=self.shuffle
+                )
+                pos = np.arange(max(start, ws) - ws, min(stop, we) - ws)
+                rows = perm[pos] if perm is not None else pos
+                out.update(np.asarray(shards)[np.searchsorted(np.cumsum(sizes), rows, side="right")].tolist())
+            ws = we
+        return sorted(out)
+
+    def iter_numbered(self) -> Iterator[tuple[int, dict[str, Any]]]:
+        """``(micro-batch number, micro-batch)`` of this rank's remaining micro-batches, transformed; in a
+        DataLoader worker, that worker's share. The position is not advanced (see ``__iter__``)."""
         for m, cols in self.iter_columns():
-            mb = cols
-            if self.transform is not None:
-                mb = self._apply_transform(mb, cols, m)
+            if self.transform is None:
+                yield m, cols
+            else:
+                where = f"micro-batch {m} of epoch {self.epoch} (shards {torch.unique(cols['shard']).tolist()})"
+                yield m, apply_transform(self.transform, cols, where)
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        for m, mb in self.iter_numbered():
             self.micro = m + 1
             yield mb
-
-    def _apply_transform(self, mb: dict[str, Any], cols: dict[str, Any], m: int) -> dict[str, Any]:
-        """``transform(mb)``, checked: a dict of columns of the micro-batch's length, ``shard``/``index`` kept."""
-        where = f"micro-batch {m} of epoch {self.epoch} (shards {torch.unique(cols['shard']).tolist()})"
-        try:
-            out = self.transform(mb)
-        except Exception as err:  # the user's own error keeps its type (an OOM stays an OOM), told where
-            if hasattr(err, "add_note"):
-                err.add_note(f"steadytrain: raised by the transform on {where}")
-            raise
-        if not isinstance(out, dict):
-            raise UserError(f"transform returned {type(out).__name__} on {where}, not a dict of columns: return mb")
-        if dropped := [c for c in ("shard", "index") if c not in out]:
-            raise UserError(f"transform dropped {dropped[0]!r} on {where}: keep it, it names each example's source")
-        n = len(cols["shard"])
-        for key, value in out.items():
-            if not isinstance(key, str):
-                raise UserError(f"transform returned column {brief(key)}: a column name is not a string")
-            rows = _rows(value)
-            if rows != n:
-                what = f"{rows} rows" if isinstance(rows, int) else rows
-                raise UserError(f"transform changed the batch length on {where}: {key!r} has {what}, not {n} rows")
-        return out
 
     def state_dict(self) -> dict[str, Any]:
         lay = self.layout
@@ -230,10 +287,10 @@ class BatchedMode:
         same global batch continues at the next optimizer step. Nothing changes unless the whole state
         is sound (every field checked; a position past the end of the epoch is refused)."""
         if not isinstance(state, dict) or state.get("mode") != "batched":
-            raise UserError("state is not a batched ShardedDataset state (per-example state into a batched dataset?)")
+            raise UserError("state is not a BatchedDataset state (a per-example state into a batched dataset?)")
         if missing := [k for k in _STATE_KEYS if k not in state]:
             raise UserError(
-                f"batched state lacks {', '.join(missing)}: not a ShardedDataset.state_dict() of this version"
+                f"batched state lacks {', '.join(missing)}: not a BatchedDataset.state_dict() of this version"
             )
         lay = self.layout
         for key, mine, why in (
@@ -270,3 +327,37 @@ class BatchedMode:
             )
         self.epoch, self.counts = epoch, counts
         self.micro = micro if same_layout else (micro // k) * lay.accumulation_steps
+
+
+def global_batch(
+    path: str | Path | Dataset,
+    step: int,
+    *,
+    global_batch_size: int,
+    seed: int,
+    epoch: int | None = None,
+    shuffle: bool = True,
+    shuffle_window: int | None = None,
+    shards: list[int] | None = None,
+    schema: Any = None,
+    policy: str = "raise",
+) -> dict[str, Any]:
+    """The exact examples of optimizer step ``step``, on one process (replay a step of any world size).
+
+    ``step`` counts optimizer steps from the start of training; with ``epoch`` it counts within that
+    epoch. The result holds the step's ``global_batch_size`` examples (``shard``, ``index`` included)
+    in global order; every rank's micro-batches of that step together are exactly these examples.
+    """
+    check_int("step", step, 0)
+    ds = BatchedDataset(
+        path,
+        batch_size=check_int("global_batch_size", global_batch_size),
+        shuffle=shuffle,
+        seed=seed,
+        shuffle_window=shuffle_window,
+        shards=shards,
+        schema=schema,
+        policy=policy,
+    )
+    ds.seek(step, epoch=epoch)
+    return next(iter(ds))

@@ -7,17 +7,28 @@ micro-batch, it would fail inside pyarrow. :class:`ColumnGuard` checks each shar
 *reference* (the lowest selected shard id, whose Parquet footer alone is read) before anything is
 yielded, and refuses a difference with a :class:`DatasetError` naming both shards and every difference.
 Columns in another order are the same schema: they are put in the reference's order.
+
+Both readers (:mod:`~steadytrain.data.sharded`, per example; :mod:`~steadytrain.data.batched`, the
+global order) select shards and check their shared arguments here, so neither imports the other.
 """
 
 from __future__ import annotations
 
+import operator
+from collections import Counter
+from typing import Any
+
+import numpy as np
 import pyarrow as pa
 
+from steadytrain._check import check_int
 from steadytrain._io import brief
 from steadytrain.data.format import CorruptShardError, Dataset, DatasetError
 from steadytrain.data.index import RESERVED_COLUMNS
+from steadytrain.data.schema import POLICIES
+from steadytrain.errors import UserError
 
-__all__ = ["ColumnGuard", "schema_differences"]
+__all__ = ["ColumnGuard", "check_reader_args", "schema_differences", "select_shards"]
 
 
 def schema_differences(table: pa.Schema, reference: pa.Schema, ref_name: str) -> list[str]:
@@ -88,3 +99,44 @@ class ColumnGuard:
             return table.cast(ref)  # nullability or field metadata only: the types are equal
         except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as err:
             raise DatasetError(f"{self.dataset.path}: shard {sid}: {brief(str(err))}") from None
+
+
+def select_shards(dataset: Dataset, shards: list[int] | None) -> list[int]:
+    """The sorted shard ids to read: all of the dataset's, or ``shards``, each once and each in the index.
+
+    Raises:
+        DatasetError: ``shards`` is not a list of integers, names an id twice, or names one not in the index.
+    """
+    if shards is None:
+        return sorted(dataset.shard_ids)
+    if isinstance(shards, str | bytes) or not hasattr(shards, "__iter__"):
+        raise DatasetError(f"shards={brief(shards)} must be a list of shard ids")
+    ids = []
+    for s in shards:
+        try:
+            if isinstance(s, bool | np.bool_):
+                raise TypeError
+            ids.append(operator.index(s))  # int, numpy integers
+        except TypeError:
+            raise DatasetError(f"shards: {brief(s)} is not a shard id (an integer)") from None
+    if not ids:
+        raise DatasetError("shards=[] selects no shard: give at least one id, or None for all")
+    if twice := [s for s, n in Counter(ids).items() if n > 1]:
+        raise DatasetError(f"shards: {twice[0]} is listed twice: each shard is read once per epoch")
+    if unknown := sorted(set(ids) - set(dataset.shard_ids)):
+        raise DatasetError(f"{dataset.path}: shards={brief(unknown)} are not in the index")
+    return sorted(ids)
+
+
+def check_reader_args(*, rank: Any, world_size: Any, seed: Any, epoch: Any, policy: Any, flags: dict[str, Any]) -> None:
+    """The arguments both readers share, checked alike: a UserError naming the argument and the fix."""
+    check_int("world_size", world_size, 1)
+    if check_int("rank", rank, 0) >= world_size:
+        raise UserError(f"rank={rank} must be in [0, world_size={world_size})")
+    check_int("seed", seed, 0)
+    check_int("epoch", epoch, 0)
+    if policy not in POLICIES:
+        raise UserError(f"policy={brief(policy)} is unknown: use one of {', '.join(POLICIES)}")
+    for name, flag in flags.items():
+        if not isinstance(flag, bool | np.bool_):
+            raise UserError(f"{name}={brief(flag)} must be True or False")

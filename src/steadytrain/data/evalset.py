@@ -20,9 +20,9 @@ from typing import Any
 import numpy as np
 
 from steadytrain._check import check_int
+from steadytrain.data.batched import BatchedDataset
 from steadytrain.data.columns import ColumnGuard, schema_differences
 from steadytrain.data.format import DatasetError, open_dataset
-from steadytrain.data.sharded import ShardedDataset
 from steadytrain.errors import UserError
 
 __all__ = ["EvalSet", "holdout_shards", "rank_slice"]
@@ -75,7 +75,7 @@ class EvalSet:
         chosen = sorted(dataset.shard_ids) if shards is None else sorted(shards)
         if not chosen or sum(dataset.shard(s).records for s in chosen) == 0:
             raise DatasetError(f"{dataset.path}: the validation set has no examples (shards {chosen})")
-        self._data = ShardedDataset(
+        self._data = BatchedDataset(
             dataset, shards=chosen, batch_size=1, shuffle=False, schema=schema, policy=policy
         )  # the global order, read through the one batched reader; this rank's ranges are chosen below
         total = self._data.num_examples
@@ -87,7 +87,7 @@ class EvalSet:
         self.shard_ids = chosen
         self.dataset = dataset
 
-    def check_fits(self, training: ShardedDataset) -> None:
+    def check_fits(self, training: BatchedDataset) -> None:
         """A :class:`DatasetError` when these examples do not have the training data's columns and types."""
         train_id, train_schema = training.columns.reference()
         mine_id, mine = ColumnGuard(self.dataset, self.shard_ids, verify=True).reference()

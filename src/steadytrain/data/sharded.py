@@ -13,8 +13,7 @@ import dataclasses
 import logging
 import operator
 import warnings
-from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,12 +24,10 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from steadytrain._check import check_int
 from steadytrain._io import brief
-from steadytrain.data.batched import BatchedMode
-from steadytrain.data.columns import ColumnGuard
+from steadytrain.data.batched import BatchedDataset
+from steadytrain.data.columns import ColumnGuard, check_reader_args, select_shards
 from steadytrain.data.format import CorruptShardError, Dataset, DatasetError, open_dataset
-from steadytrain.data.order import GlobalLayout
 from steadytrain.data.policy import PolicyCounts, apply_policy
-from steadytrain.data.schema import POLICIES
 from steadytrain.errors import UserError
 
 __all__ = ["ShardedDataset", "assign_shards", "collate_examples", "select_shards"]
@@ -38,34 +35,6 @@ __all__ = ["ShardedDataset", "assign_shards", "collate_examples", "select_shards
 log = logging.getLogger(__name__)
 
 _ROWS_PER_CHUNK = 8192  # rows converted to Python at a time: bounded memory on large shards
-
-
-def select_shards(dataset: Dataset, shards: list[int] | None) -> list[int]:
-    """The sorted shard ids to read: all of the dataset's, or ``shards``, each once and each in the index.
-
-    Raises:
-        DatasetError: ``shards`` is not a list of integers, names an id twice, or names one not in the index.
-    """
-    if shards is None:
-        return sorted(dataset.shard_ids)
-    if isinstance(shards, str | bytes) or not hasattr(shards, "__iter__"):
-        raise DatasetError(f"shards={brief(shards)} must be a list of shard ids")
-    ids = []
-    for s in shards:
-        try:
-            if isinstance(s, bool | np.bool_):
-                raise TypeError
-            ids.append(operator.index(s))  # int, numpy integers
-        except TypeError:
-            raise DatasetError(f"shards: {brief(s)} is not a shard id (an integer)") from None
-    shards = ids
-    if not shards:
-        raise DatasetError("shards=[] selects no shard: give at least one id, or None for all")
-    if twice := [s for s, n in Counter(shards).items() if n > 1]:
-        raise DatasetError(f"shards: {twice[0]} is listed twice: each shard is read once per epoch")
-    if unknown := sorted(set(shards) - set(dataset.shard_ids)):
-        raise DatasetError(f"{dataset.path}: shards={brief(unknown)} are not in the index")
-    return sorted(shards)
 
 
 def _refuse_batched_options(accumulation_steps: object, shuffle_window: object, transform: object) -> None:
@@ -110,13 +79,10 @@ class ShardedDataset(IterableDataset):
         skip_corrupt: skip (with a warning, listed in ``skipped_shards``) a shard whose checksum or
             size does not match the index, instead of raising.
         verify: check each shard's sha256 once per process before reading it.
-        batch_size: ``B``: yield micro-batches of ``B`` examples (dicts of column -> tensor or list) in
-            the global order of :mod:`steadytrain.data.order`, the same for any world size; ``None``
-            (default) yields one dict per example, whole shards per rank.
-        accumulation_steps: ``K``, micro-batches per optimizer step (batched mode).
-        shuffle_window: shards whose rows are shuffled together (batched mode; memory: this many shards;
-            default 8).
-        transform: ``transform(mb) -> mb``, a vectorized hook applied to every micro-batch (batched mode).
+        batch_size: ``B``: construct a :class:`~steadytrain.data.batched.BatchedDataset` instead, which
+            yields micro-batches of ``B`` examples in the global order of :mod:`steadytrain.data.order`,
+            the same for any world size (``accumulation_steps``, ``shuffle_window`` and ``transform`` are
+            its options); ``None`` (default) yields one dict per example, whole shards per rank.
 
     Raises:
         UserError: bad rank/world size/policy/seed/epoch, a flag that is not a bool, or a batched-mode option
@@ -124,6 +90,14 @@ class ShardedDataset(IterableDataset):
         DatasetError: shard ids twice, or not in the index; when read, a shard whose columns or types differ
             from the first selected shard's.
     """
+
+    def __new__(cls, path: Any = None, *, batch_size: int | None = None, skip_corrupt: bool = False, **kwargs: Any):
+        """``batch_size=B`` builds the batched reader of the global order (training); ``None`` this one."""
+        if batch_size is None:
+            return super().__new__(cls)
+        if skip_corrupt:
+            raise UserError("skip_corrupt needs the per-example mode: in batched mode select shards with shards=[...]")
+        return BatchedDataset(path, batch_size=batch_size, **kwargs)
 
     def __init__(
         self,
@@ -145,22 +119,15 @@ class ShardedDataset(IterableDataset):
         transform: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
     ) -> None:
         super().__init__()
+        check_reader_args(
+            rank=rank, world_size=world_size, seed=seed, epoch=epoch, policy=policy,
+            flags={"shuffle": shuffle, "skip_corrupt": skip_corrupt, "verify": verify},
+        )  # fmt: skip
+        _refuse_batched_options(accumulation_steps, shuffle_window, transform)
         self.dataset = path if isinstance(path, Dataset) else open_dataset(path)
-        check_int("world_size", world_size, 1)
-        if check_int("rank", rank, 0) >= world_size:
-            raise UserError(f"rank={rank} must be in [0, world_size={world_size})")
-        check_int("seed", seed, 0)
-        check_int("epoch", epoch, 0)
-        if policy not in POLICIES:
-            raise UserError(f"policy={brief(policy)} is unknown: use one of {', '.join(POLICIES)}")
-        for name, flag in (("shuffle", shuffle), ("skip_corrupt", skip_corrupt), ("verify", verify)):
-            if not isinstance(flag, bool | np.bool_):
-                raise UserError(f"{name}={brief(flag)} must be True or False")
-        if batch_size is None:
-            _refuse_batched_options(accumulation_steps, shuffle_window, transform)
         self.shard_ids = select_shards(self.dataset, shards)
         self.columns = ColumnGuard(self.dataset, self.shard_ids, verify=verify, skip_corrupt=skip_corrupt)
-        if batch_size is None and rank >= len(self.shard_ids):
+        if rank >= len(self.shard_ids):
             log.warning(
                 "rank %d of %d gets no shards (%s has %d selected): it yields no examples; "
                 "use at most %d ranks or write more, smaller shards",
@@ -169,18 +136,6 @@ class ShardedDataset(IterableDataset):
         self.rank, self.world_size, self.shuffle, self.seed = rank, world_size, bool(shuffle), seed
         self.schema, self.policy, self.skip_corrupt, self.verify = schema, policy, bool(skip_corrupt), bool(verify)
         self.epoch = epoch
-        self._mode: BatchedMode | None = None
-        if batch_size is not None:
-            if skip_corrupt:
-                raise UserError(
-                    "skip_corrupt needs the per-example mode: in batched mode select shards with shards=[...]"
-                )
-            layout = GlobalLayout(batch_size, accumulation_steps, world_size)
-            self._mode = BatchedMode(
-                self.dataset, self.shard_ids, rank=rank, layout=layout, shuffle=self.shuffle, seed=seed,
-                window=shuffle_window, schema=schema, policy=policy, transform=transform, verify=self.verify,
-            )  # fmt: skip
-            self._mode.epoch = epoch
         self._shard_pos = 0  # shards of this rank's epoch order fully consumed
         self._row_base, self._chunk = 0, None  # examples yielded from the current shard (see _row)
         self.counts = PolicyCounts()  # rows dropped / clamped by the load-time policy, per field and kind
@@ -189,49 +144,6 @@ class ShardedDataset(IterableDataset):
     def set_epoch(self, epoch: int) -> None:
         """Start ``epoch`` from its beginning (a new shard order when shuffling)."""
         self.epoch, self._shard_pos, self._row = check_int("epoch", epoch, 0), 0, 0
-        if self._mode is not None:
-            self._mode.epoch, self._mode.micro = epoch, 0
-
-    # -- batched mode: the numbers of the global order ---------------------------------------------
-
-    def _batched(self, name: str) -> BatchedMode:
-        if self._mode is None:
-            raise AttributeError(f"{name} is defined in batched mode: give batch_size")
-        return self._mode
-
-    @property
-    def steps_per_epoch(self) -> int:
-        """Optimizer steps per epoch, the same on every rank (batched mode)."""
-        return self._batched("steps_per_epoch").steps_per_epoch
-
-    @property
-    def global_batch_size(self) -> int:
-        """``G = batch_size x accumulation_steps x world_size`` (batched mode)."""
-        return self._batched("global_batch_size").layout.global_batch_size
-
-    @property
-    def dropped_per_epoch(self) -> int:
-        """Examples per epoch past the last full global batch, not used (batched mode)."""
-        return self._batched("dropped_per_epoch").dropped_per_epoch
-
-    @property
-    def num_examples(self) -> int:
-        """Examples in an epoch's global order, after the load-time policy (batched mode)."""
-        mode = self._batched("num_examples")
-        return mode.steps_per_epoch * mode.layout.global_batch_size + mode.dropped_per_epoch
-
-    @property
-    def global_step(self) -> int:
-        """Batched mode: the global batch (0-based, counted over epochs: ``epoch x steps_per_epoch + step``) that
-        the micro-batch yielded last belongs to; a training loop names the batches it skips by it."""
-        mode = self._batched("global_step")
-        return mode.epoch * mode.steps_per_epoch + max(mode.micro - 1, 0) // mode.layout.accumulation_steps
-
-    def iter_positions(self, ranges: Iterable[tuple[int, int, int]]) -> Iterator[tuple[int, dict[str, Any]]]:
-        """Batched mode: ``(key, columns)`` for each ``(key, start, stop)`` range of the epoch's global order
-        (increasing, not overlapping), whatever this rank's own micro-batches are (evaluation reads its
-        own disjoint slices this way)."""
-        return self._batched("iter_positions").iter_positions(ranges)
 
     def rank_shards(self, epoch: int | None = None) -> list[int]:
         """The shards this rank reads in ``epoch`` (default: the current one), in order."""
@@ -245,10 +157,7 @@ class ShardedDataset(IterableDataset):
         )
 
     def __len__(self) -> int:
-        """Examples of this rank's shards in the current epoch, before any are dropped (batched mode:
-        this rank's micro-batches per epoch)."""
-        if self._mode is not None:
-            return len(self._mode)
+        """Examples of this rank's shards in the current epoch, before any are dropped."""
         return sum(self.dataset.shard(s).records for s in self.rank_shards())
 
     def _identity(self) -> dict[str, Any]:
@@ -266,8 +175,6 @@ class ShardedDataset(IterableDataset):
     def state_dict(self) -> dict[str, Any]:
         """The position in the epoch, and what it belongs to: resuming yields exactly the examples not yet
         yielded, and :meth:`load_state_dict` refuses a state of other data, ranks or order."""
-        if self._mode is not None:
-            return self._mode.state_dict()
         return {
             **self._identity(),
             "epoch": self.epoch,
@@ -285,8 +192,6 @@ class ShardedDataset(IterableDataset):
         """
         if not isinstance(state, dict):
             raise UserError(f"ShardedDataset state must be a mapping from state_dict(), got {type(state).__name__}")
-        if self._mode is not None:
-            return self._mode.load_state_dict(state)
         mine = self._identity()
         if state.get("mode", "example") != "example":
             raise UserError(f"state is a {brief(state.get('mode'))} state: load it into a dataset of that mode")
@@ -346,9 +251,6 @@ class ShardedDataset(IterableDataset):
         return table.append_column("index", pa.array(indices))
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        return iter(self._mode) if self._mode is not None else self._examples()
-
-    def _examples(self) -> Iterator[dict[str, Any]]:
         worker = get_worker_info()
         wid, nworkers = (worker.id, worker.num_workers) if worker is not None else (0, 1)
         if nworkers > 1 and (self._shard_pos or self._row):

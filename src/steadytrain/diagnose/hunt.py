@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from steadytrain.data import (
-    ShardedDataset,
+    BatchedDataset,
     check_table,
     global_batch,
     healthy_shards,
@@ -207,7 +207,7 @@ def _sweep(
 def _shard_batch(settings: dict[str, Any], shard: int) -> dict[str, Any]:
     """The shard's rows as the run loaded them (after its load-time policy), in file order, as one batch."""
     common = {"shards": [shard], "shuffle": False, "schema": settings["schema"], "policy": settings["policy"]}
-    rows = len(ShardedDataset(settings["data"], batch_size=1, **common))  # rows the policy keeps
+    rows = len(BatchedDataset(settings["data"], batch_size=1, **common))  # rows the policy keeps
     return global_batch(settings["data"], 0, global_batch_size=rows, seed=0, **common)
 
 

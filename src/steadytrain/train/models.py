@@ -21,9 +21,7 @@ example; steadytrain takes the mean and knows which examples were non-finite) or
 
 from __future__ import annotations
 
-import importlib
 import math
-import re
 from typing import Any
 
 import torch
@@ -31,13 +29,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from steadytrain._check import check_finite, check_int
+from steadytrain._imports import import_callable
 from steadytrain._io import brief
 from steadytrain._text import error_text
 from steadytrain.errors import UserError
 
 __all__ = ["TabularModel", "TargetEncoding", "TinyLM", "build_model", "check_losses"]
-
-_FACTORY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
 
 class Block(nn.Module):
@@ -169,23 +166,7 @@ class TabularModel(nn.Module):
 
 
 def _import_factory(spec: str):
-    if not _FACTORY.match(spec):
-        raise UserError(f"model.name={brief(spec)}: use tiny-lm, tabular or package.module:factory")
-    module_name, _, attr = spec.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as err:
-        raise UserError(
-            f"model.name={spec!r}: cannot import {module_name!r} ({error_text(err)}); is it on PYTHONPATH?"
-        ) from None
-    except Exception as err:  # the user's module raised while it was imported: their code, their error
-        raise UserError(
-            f"model.name={spec!r}: importing {module_name!r} raised {type(err).__name__}: {error_text(err)}"
-        ) from None
-    factory = getattr(module, attr, None)
-    if not callable(factory):
-        raise UserError(f"model.name={spec!r}: {module_name} has no callable {attr!r}")
-    return factory
+    return import_callable(spec, "model.name", "use tiny-lm, tabular or package.module:factory")
 
 
 def tabular_from_dataset(

@@ -18,9 +18,9 @@ from torch import nn
 
 from steadytrain.accumulate import GradientAccumulator
 from steadytrain.data import (
+    BatchedDataset,
     EvalSet,
     Schema,
-    ShardedDataset,
     healthy_shards,
     holdout_shards,
     infer_schema,
@@ -120,10 +120,10 @@ def eval_shards(cfg: TrainConfig, path: Path) -> list[int] | None:
 
 def build_dataset(
     cfg: TrainConfig, path: Path, info: DistInfo, accumulation_steps: int, held_out: list[int] | None = None
-) -> ShardedDataset:
+) -> BatchedDataset:
     """This rank's view of the global order (equal micro-batch counts on every rank), without ``held_out``."""
     shards = None if not held_out else sorted(set(open_dataset(path).shard_ids) - set(held_out))
-    return ShardedDataset(
+    return BatchedDataset(
         path,
         shards=shards,
         rank=info.rank,
@@ -139,7 +139,7 @@ def build_dataset(
 
 
 def build_evalset(
-    cfg: TrainConfig, path: Path, held_out: list[int] | None, info: DistInfo, training: ShardedDataset | None
+    cfg: TrainConfig, path: Path, held_out: list[int] | None, info: DistInfo, training: BatchedDataset | None
 ) -> EvalSet | None:
     """This rank's slice of the validation set (None without one); refused at start if it does not fit
     the training data's columns (a DatasetError: one line, before any step)."""
