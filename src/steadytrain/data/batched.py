@@ -341,12 +341,14 @@ def global_batch(
     shards: list[int] | None = None,
     schema: Any = None,
     policy: str = "raise",
+    transform: Transform | None = None,
 ) -> dict[str, Any]:
     """The exact examples of optimizer step ``step``, on one process (replay a step of any world size).
 
     ``step`` counts optimizer steps from the start of training; with ``epoch`` it counts within that
     epoch. The result holds the step's ``global_batch_size`` examples (``shard``, ``index`` included)
-    in global order; every rank's micro-batches of that step together are exactly these examples.
+    in global order; every rank's micro-batches of that step together are exactly these examples
+    (with ``transform``, the training run's ``data.transform``, applied to them as one micro-batch).
     """
     check_int("step", step, 0)
     ds = BatchedDataset(
@@ -358,6 +360,7 @@ def global_batch(
         shards=shards,
         schema=schema,
         policy=policy,
+        transform=transform,
     )
     ds.seek(step, epoch=epoch)
     return next(iter(ds))

@@ -208,7 +208,8 @@ def _shard_batch(settings: dict[str, Any], shard: int) -> dict[str, Any]:
     """The shard's rows as the run loaded them (after its load-time policy), in file order, as one batch."""
     common = {"shards": [shard], "shuffle": False, "schema": settings["schema"], "policy": settings["policy"]}
     rows = len(BatchedDataset(settings["data"], batch_size=1, **common))  # rows the policy keeps
-    return global_batch(settings["data"], 0, global_batch_size=rows, seed=0, **common)
+    transform = settings.get("transform")  # the run's data.transform, as training applied it
+    return global_batch(settings["data"], 0, global_batch_size=rows, seed=0, transform=transform, **common)
 
 
 def _json_value(value: Any) -> Any:
@@ -368,6 +369,7 @@ def _step_batch(settings: dict[str, Any], step: int) -> dict[str, Any]:
         shards=settings.get("shards"),
         schema=settings["schema"],
         policy=settings["policy"],
+        transform=settings.get("transform"),
     )
 
 

@@ -69,7 +69,13 @@ class DataConfig(_Section):
     shuffle_window: int = Field(default=8, ge=1)
     """Shards whose rows are shuffled together (memory: this many decoded shards)."""
     seq_len: int = Field(default=128, ge=8, le=4096)
-    """Bytes per sequence of the embedded corpus (tiny-lm)."""
+    """Tokens per sequence of the embedded corpus and tiny-lm's context (``data ingest`` datasets set their own)."""
+    num_workers: int | None = Field(default=None, ge=0, le=256)
+    """Background worker processes reading micro-batches; absent: 2 on a machine with more than 2 cores, else 0."""
+    prefetch: int = Field(default=2, ge=1, le=1 << 16)
+    """Micro-batches read ahead by the workers, in all (at least one per worker)."""
+    transform: str | None = None
+    """``package.module:function`` applied to every micro-batch (dict -> dict of the same length), in the workers."""
     model_config = ConfigDict(extra="forbid", populate_by_name=True, use_attribute_docstrings=True)
 
 

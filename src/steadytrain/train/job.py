@@ -60,6 +60,8 @@ class Job:
     metrics: MetricsLog | None = None
     lr: float = 0.0
     step_loss: Any = None
+    loader: Any = None
+    """``ds``'s micro-batches as the loop reads them (in background workers with ``data.num_workers``)."""
     stop_after: int | None = None
     """Stop after this many optimizer steps, the schedule unchanged (``repro`` re-runs a run's first steps)."""
     lock: Any = None

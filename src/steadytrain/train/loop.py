@@ -34,6 +34,7 @@ from steadytrain.train.setup import (
     build_accumulator,
     build_dataset,
     build_evalset,
+    build_loader,
     build_optimizer,
     data_path,
     eval_shards,
@@ -93,6 +94,7 @@ def _build(cfg: TrainConfig, info: DistInfo, run_dir: Path | None, resume: Path 
     job = Job(cfg, info, plan, run, model, optimizer, acc, ds, scaler, lock=lock, changes=changes)
     if evalset is not None:
         job.validation = Validation(evalset, cfg.eval.every_steps, cfg.eval.patience)
+    job.loader = build_loader(cfg, ds, info.device)
     job.spikes = SpikeGuard(cfg.spike, info, run.spikes, warmup_steps=plan.warmup_steps)
     if job.spikes.decides:  # the flag is read with the gradient norm, in the step's one host read
         acc.veto = lambda norm: job.spikes.veto(job.state.step + 1, job.step_loss / job.step_micros, norm)
@@ -190,7 +192,7 @@ def _steps(job: Job) -> str | None:
         if not resumed:
             job.ds.set_epoch(job.state.epoch)
         resumed = False
-        for mb in job.ds:
+        for mb in job.loader:
             if job.spikes.skipped and job.spikes.skips(job.ds.global_step):
                 continue  # a batch a rolled-back spike ended at: never trained on
             try:

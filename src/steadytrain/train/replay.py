@@ -29,6 +29,7 @@ from torch import nn
 from steadytrain._io import load_json
 from steadytrain._text import error_text
 from steadytrain.data import open_dataset
+from steadytrain.data.transform import load_transform
 from steadytrain.errors import UserError
 from steadytrain.train.checkpoint import latest_checkpoint, load_checkpoint
 from steadytrain.train.config import TrainConfig, load_config
@@ -140,6 +141,7 @@ def run_model(
     Returns:
         ``(model, settings)``; settings hold ``data`` (path), ``shards`` (the training shards when some
         were held out for validation, else None), ``schema`` (a Schema or None), ``policy``,
+        ``transform`` (the run's ``data.transform`` or None),
         ``seed``, ``global_batch_size``, ``micro_batch_size``, ``shuffle_window``, ``checkpoint`` (None
         for the initial weights), ``checkpoint_step`` (0 for the initial weights) and ``note`` (None
         when the weights are exactly those of ``before_step``; else what they are instead) and ``spike``
@@ -171,6 +173,7 @@ def run_model(
         "shards": sorted(set(open_dataset(path).shard_ids) - held_out) if held_out else None,
         "schema": load_schema(cfg),
         "policy": cfg.data.policy,
+        "transform": load_transform(cfg.data.transform),
         "seed": cfg.run.seed,
         "global_batch_size": plan.get("global_batch_size", cfg.batch.global_batch_size),
         "micro_batch_size": cfg.batch.micro_batch_size,

@@ -26,13 +26,23 @@ from steadytrain.data import (
     infer_schema,
     open_dataset,
 )
+from steadytrain.data.loader import MicroBatchLoader, default_num_workers
+from steadytrain.data.transform import load_transform
 from steadytrain.errors import UserError
 from steadytrain.optim import LAMB, LARS, exclude_bias_and_norm
 from steadytrain.schedule import BatchPlan, warmup_schedule
 from steadytrain.train.config import TrainConfig
 from steadytrain.train.distributed import DistInfo
 
-__all__ = ["RunPlan", "build_accumulator", "build_dataset", "build_optimizer", "data_path", "resolve_plan"]
+__all__ = [
+    "RunPlan",
+    "build_accumulator",
+    "build_dataset",
+    "build_loader",
+    "build_optimizer",
+    "data_path",
+    "resolve_plan",
+]
 
 
 @dataclass(frozen=True)
@@ -135,7 +145,14 @@ def build_dataset(
         shuffle_window=cfg.data.shuffle_window,
         schema=load_schema(cfg),
         policy=cfg.data.policy,
+        transform=load_transform(cfg.data.transform),
     )
+
+
+def build_loader(cfg: TrainConfig, ds: BatchedDataset, device: torch.device) -> MicroBatchLoader:
+    """The micro-batches of ``ds``, read ahead by ``data.num_workers`` processes (pinned memory on a GPU)."""
+    workers = cfg.data.num_workers if cfg.data.num_workers is not None else default_num_workers()
+    return MicroBatchLoader(ds, num_workers=workers, prefetch=cfg.data.prefetch, pin_memory=device.type == "cuda")
 
 
 def build_evalset(
