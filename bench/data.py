@@ -17,17 +17,23 @@ With ``--batched``, the batched mode instead (micro-batches of ``B = 256`` as te
 
 * ``raw arrow batches`` -- ``pq.read_table`` per file, record batches of 256, numeric columns to torch
   with ``torch.from_numpy`` and strings to lists: the same work with no global order;
+* ``raw + shard/index`` -- the same loop carrying ``shard`` and ``index`` columns (the baseline);
 * ``batched``           -- ``ShardedDataset(batch_size=256, shuffle=False)``;
 * ``batched+shuf``      -- the default: shard order and rows within a window of 8 shards shuffled;
 * ``batched W=2 rank 0`` -- one of two ranks on one machine (it reads every shard of the window and
   keeps half the rows): its time per micro-batch against W=1 is the extra read cost of the window;
 * ``per-example``       -- the per-example mode, for examples/s.
 
-Target: batched >= 0.9x the raw loop in micro-batches/s; >= 10x the per-example mode in examples/s.
+Target: batched >= 0.9x the raw loop with shard/index in micro-batches/s; >= 10x the per-example mode in examples/s.
+
+With ``--loading`` (a): a transform calibrated to cost about one model step (an MLP on 1 thread), read
+in the training process without prefetch (pays compute + data) and by one background worker
+(``MicroBatchLoader``, prefetch 4): time per micro-batch against ``max(compute, data)``; target <= 1.1.
+With ``--ingest`` (b): ``bench/ingest.py``.
 
 Usage::
 
-    python bench/data.py [--rows N] [--repeats R] [--dir PATH] [--batched]
+    python bench/data.py [--rows N] [--repeats R] [--dir PATH] [--batched | --loading | --ingest]
 """
 
 from __future__ import annotations
@@ -42,7 +48,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from steadytrain.data import DatasetWriter, ShardedDataset, infer_schema, open_dataset
+from steadytrain.data import BatchedDataset, DatasetWriter, ShardedDataset, infer_schema, open_dataset
+from steadytrain.data.loader import MicroBatchLoader
 
 SHARDS = 20
 
@@ -103,6 +110,21 @@ def raw_micro_batches(files: list[Path], batch_size: int):
             }
 
 
+def raw_micro_batches_with_keys(files: list[Path], batch_size: int):
+    """The same loop carrying what every steadytrain micro-batch carries: ``shard`` and ``index`` tensors."""
+    for s, f in enumerate(files):
+        table = pq.read_table(f)
+        n = table.num_rows
+        table = table.append_column("shard", pa.array(np.full(n, s))).append_column("index", pa.array(np.arange(n)))
+        for batch in table.to_batches(batch_size):
+            yield {
+                name: torch.from_numpy(col.to_numpy())
+                if pa.types.is_floating(col.type) or pa.types.is_integer(col.type)
+                else col.to_pylist()
+                for name, col in zip(batch.schema.names, batch.columns, strict=True)
+            }
+
+
 def timed_rounds(methods: dict, repeats: int, baseline: str, work: dict[str, int]) -> None:
     """Interleaved rounds; prints the median rate and the median of paired ratios to ``baseline``."""
     names = list(methods)
@@ -125,12 +147,13 @@ def timed_rounds(methods: dict, repeats: int, baseline: str, work: dict[str, int
 
 def batched_main(path: Path, files: list[Path], repeats: int, n: int) -> None:
     b = 256
-    w1 = ShardedDataset(path, batch_size=b, shuffle=False)
-    w1s = ShardedDataset(path, batch_size=b, shuffle=True)
-    w2 = ShardedDataset(path, batch_size=b, world_size=2, rank=0, shuffle=True)
+    w1 = BatchedDataset(path, batch_size=b, shuffle=False)
+    w1s = BatchedDataset(path, batch_size=b, shuffle=True)
+    w2 = BatchedDataset(path, batch_size=b, world_size=2, rank=0, shuffle=True)
     per_example = ShardedDataset(path, shuffle=False)
     methods = {
         "raw arrow batches": lambda e: count(raw_micro_batches(files, b)),
+        "raw + shard/index": lambda e: count(raw_micro_batches_with_keys(files, b)),
         "batched": lambda e: ours_pass(w1, e),
         "batched+shuf": lambda e: ours_pass(w1s, e),
         "batched W=2 rank 0": lambda e: ours_pass(w2, e),
@@ -138,11 +161,75 @@ def batched_main(path: Path, files: list[Path], repeats: int, n: int) -> None:
     }
     work = {m: methods[m](0) for m in methods}  # warm-up; micro-batches (examples for per-example) per pass
     print("micro-batches per pass:", {m: v for m, v in work.items() if m != "per-example"})
-    timed_rounds(methods, repeats, "raw arrow batches", work)
+    timed_rounds(methods, repeats, "raw + shard/index", work)
     # examples/s: batched against per-example
     ex = {m: work[m] * (1 if m == "per-example" else b) for m in methods}
     timed_rounds({m: methods[m] for m in ("per-example", "batched")}, repeats, "per-example", ex)
-    print("targets: batched >= 0.9x raw arrow batches; >= 10x per-example in examples/s")
+    print("targets: batched >= 0.9x raw + shard/index; >= 10x per-example in examples/s")
+
+
+_SPIN = {"iters": 1}
+
+
+def costly_transform(mb: dict) -> dict:
+    """Work per micro-batch in pure Python and NumPy (as decoding or tokenization would be), calibrated."""
+    x = np.tile(mb["f0"].numpy(), 16)
+    acc = 0.0
+    for _ in range(_SPIN["iters"]):
+        acc += float(np.sort(x).sum())
+    return {**mb, "extra": torch.full((len(mb["f0"]),), acc)}
+
+
+def loading_main(path: Path, repeats: int, steps: int = 300) -> None:
+    """(a) Background loading: time per micro-batch with a transform that costs about one model step."""
+    torch.set_num_threads(1)  # one core computes, the other loads
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1024))
+    model.append(torch.nn.ReLU()).append(torch.nn.Linear(1024, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+
+    def step(mb: dict) -> None:
+        x = torch.stack([mb[f"f{j}"] for j in range(4)], 1).float()
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def data(workers: int) -> MicroBatchLoader:
+        ds = BatchedDataset(path, batch_size=256, shuffle=False, transform=costly_transform)
+        return MicroBatchLoader(ds, num_workers=workers, prefetch=4)
+
+    def timed(fn) -> float:
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) / steps
+
+    fixed = next(iter(data(0)))
+    compute = lambda: [step(fixed) for _ in range(steps)]  # noqa: E731
+    reading = lambda: [None for _, _ in zip(range(steps), data(0), strict=False)]  # noqa: E731
+    t_c = timed(compute)
+    _SPIN["iters"] = 100
+    t = time.perf_counter()
+    costly_transform(fixed)
+    _SPIN["iters"] = max(1, round(100 * t_c / (time.perf_counter() - t)))  # the transform costs about one step
+    loops = {
+        "compute only": compute,
+        "data only": reading,
+        "no prefetch (in-process)": lambda: [step(mb) for _, mb in zip(range(steps), data(0), strict=False)],
+        "steadytrain 1 worker": lambda: [step(mb) for _, mb in zip(range(steps), data(1), strict=False)],
+    }
+    times: dict[str, list[float]] = {k: [] for k in loops}
+    ratios: list[float] = []
+    for _ in range(repeats):
+        for k, fn in loops.items():
+            times[k].append(timed(fn))
+        ratios.append(times["steadytrain 1 worker"][-1] / max(times["compute only"][-1], times["data only"][-1]))
+    print(f"transform: {_SPIN['iters']} sorts per micro-batch; {steps} micro-batches of 256 per loop")
+    print("| loop | ms per micro-batch (median) |")
+    print("|---|---:|")
+    for k, v in times.items():
+        print(f"| {k} | {1e3 * statistics.median(v):.2f} |")
+    print(f"steadytrain / max(compute, data): {statistics.median(ratios):.3f} (median of {repeats}; target <= 1.1)")
 
 
 def main() -> None:
@@ -151,7 +238,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--dir", default="/tmp/steadytrain-bench-data")
     parser.add_argument("--batched", action="store_true", help="measure the batched mode (micro-batches of 256)")
+    parser.add_argument("--loading", action="store_true", help="(a) background loading against max(compute, data)")
+    parser.add_argument("--ingest", action="store_true", help="(b) data ingest against a hand-written tokenizer loop")
     args = parser.parse_args()
+    if args.ingest:
+        from ingest import main as ingest_main  # bench/ingest.py
+
+        ingest_main([])
+        return
     path = Path(args.dir)
     start = time.perf_counter()
     build(path, args.rows)
@@ -164,6 +258,9 @@ def main() -> None:
     )
     if args.batched:
         batched_main(path, files, args.repeats, dataset.num_records)
+        return
+    if args.loading:
+        loading_main(path, args.repeats)
         return
     methods = {
         "raw pyarrow": lambda e: count(raw_examples(files)),

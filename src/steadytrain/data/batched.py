@@ -35,7 +35,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from steadytrain._check import check_int
 from steadytrain._io import brief
-from steadytrain.data.columnar import concat_columns, slice_columns, to_columns
+from steadytrain.data.columnar import concat_columns, split_columns, to_columns
 from steadytrain.data.columns import ColumnGuard, check_reader_args, select_shards
 from steadytrain.data.format import Dataset, DatasetError, open_dataset
 from steadytrain.data.order import GlobalLayout, check_layout_fits, epoch_windows, window_permutation
@@ -206,10 +206,9 @@ class BatchedDataset(IterableDataset):
                 nxt = next(mine, None)
             if ranges:
                 part = to_columns(self._take(self._load_window(shards), ranges, ws, wi))  # converted once
-                off = 0
-                for m, a, b, stop in ranges:
-                    pending.append(slice_columns(part, off, off + b - a))
-                    off += b - a
+                pieces = split_columns(part, [b - a for _, a, b, _ in ranges])  # views, one call per column
+                for (m, _, b, stop), piece in zip(ranges, pieces, strict=True):
+                    pending.append(piece)
                     if b == stop:
                         yield m, concat_columns(pending)
                         pending = []

@@ -9,13 +9,14 @@ micro-batch tensor can be modified in place by the user's code.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import torch
 
-__all__ = ["concat_columns", "slice_columns", "to_columns"]
+__all__ = ["concat_columns", "slice_columns", "split_columns", "to_columns"]
 
 _NUMERIC = (pa.types.is_integer, pa.types.is_floating, pa.types.is_boolean)
 
@@ -51,6 +52,18 @@ def to_columns(table: pa.Table) -> dict[str, Any]:
 def slice_columns(cols: dict[str, Any], start: int, stop: int) -> dict[str, Any]:
     """Rows ``[start, stop)`` of every column (views, no copies for tensors)."""
     return {name: col[start:stop] for name, col in cols.items()}
+
+
+def split_columns(cols: dict[str, Any], sizes: list[int]) -> list[dict[str, Any]]:
+    """Consecutive pieces of ``sizes`` rows (together all rows): tensor views made in one call per column."""
+    parts: dict[str, Any] = {}
+    for name, col in cols.items():
+        if isinstance(col, torch.Tensor):
+            parts[name] = col.split(sizes)
+        else:
+            bounds = np.cumsum([0, *sizes]).tolist()
+            parts[name] = [col[a:b] for a, b in itertools.pairwise(bounds)]
+    return [{name: parts[name][i] for name in cols} for i in range(len(sizes))]
 
 
 def concat_columns(pieces: list[dict[str, Any]]) -> dict[str, Any]:

@@ -53,22 +53,26 @@ class Block(nn.Module):
 
 
 class TinyLM(nn.Module):
-    """A small byte-level language model (256 symbols)."""
+    """A small language model: bytes (256 symbols) by default, or the vocabulary of an ingested dataset."""
 
-    def __init__(self, *, dim: int = 128, layers: int = 2, heads: int = 4, seq_len: int = 128) -> None:
+    def __init__(
+        self, *, dim: int = 128, layers: int = 2, heads: int = 4, seq_len: int = 128, vocab_size: int = 256
+    ) -> None:
         super().__init__()
         check_int("model.dim", dim, maximum=1 << 16)
         check_int("model.layers", layers, minimum=0, maximum=1024)
         check_int("model.heads", heads, maximum=1024)
         check_int("model.seq_len", seq_len, maximum=1 << 20)
+        check_int("model.vocab_size", vocab_size, maximum=1 << 24)
         if dim % heads:
             raise UserError(f"model.dim={dim} must be divisible by model.heads={heads}")
         self.seq_len = seq_len
-        self.tok = nn.Embedding(256, dim)
+        self.vocab_size = vocab_size
+        self.tok = nn.Embedding(vocab_size, dim)
         self.pos = nn.Embedding(seq_len, dim)
         self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
         self.norm = nn.LayerNorm(dim)
-        self.head = nn.Linear(dim, 256, bias=False)
+        self.head = nn.Linear(dim, vocab_size, bias=False)
 
     def forward(self, batch: dict[str, Any]) -> Tensor:
         tokens = batch["tokens"].long()
@@ -208,10 +212,11 @@ def check_losses(out: Any, n: int) -> Tensor:
 
 def build_model(name: str, kwargs: dict[str, Any], *, context: dict[str, Any]) -> nn.Module:
     """The model ``name`` with ``kwargs``; built-ins also get what they need from ``context``
-    (``seq_len`` for tiny-lm; ``schema`` and ``stats`` for tabular)."""
+    (``seq_len`` and ``vocab_size`` for tiny-lm; ``schema`` and ``stats`` for tabular)."""
     try:
         if name == "tiny-lm":
-            return TinyLM(**{"seq_len": context.get("seq_len", 128), **kwargs})
+            given = {k: context[k] for k in ("seq_len", "vocab_size") if k in context}
+            return TinyLM(**{**given, **kwargs})
         if name == "tabular":
             return tabular_from_dataset(
                 context["schema"],

@@ -234,12 +234,17 @@ def category_counts(
 
 
 def model_context(cfg: TrainConfig, path: Path) -> dict[str, Any]:
-    """What built-in models need from the data: ``seq_len`` (tiny-lm), schema and statistics (tabular).
+    """What built-in models need from the data: ``seq_len`` and ``vocab_size`` (tiny-lm), schema and
+    statistics (tabular).
 
-    The tabular model's vocabulary is the given schema's, or one inferred from the shards whose
-    provenance matches the majority (the same shards its target-encoding statistics are fitted on).
+    A token dataset written by ``steadytrain data ingest`` names its tokenizer's vocabulary and its
+    sequence length in the index's provenance: tiny-lm is built for them. The tabular model's vocabulary
+    is the given schema's, or one inferred from the shards whose provenance matches the majority (the
+    same shards its target-encoding statistics are fitted on).
     """
     ctx: dict[str, Any] = {"seq_len": cfg.data.seq_len}
+    if cfg.model.name == "tiny-lm" and cfg.data.path is not None:
+        ctx.update(token_context(open_dataset(path).provenance))
     if cfg.model.name == "tabular":
         ds = open_dataset(path)
         healthy = healthy_shards(ds)
@@ -247,6 +252,17 @@ def model_context(cfg: TrainConfig, path: Path) -> dict[str, Any]:
         ctx.update(schema=schema, stats=numeric_stats(path, schema))
         ctx["category_counts"] = lambda cat, label, k, bucket: category_counts(path, healthy, cat, label, k, bucket)
     return ctx
+
+
+def token_context(provenance: dict[str, Any]) -> dict[str, Any]:
+    """``seq_len`` and ``vocab_size`` from an ingested token dataset's provenance (empty for other data)."""
+    out: dict[str, Any] = {}
+    tokenizer = provenance.get("tokenizer")
+    if isinstance(tokenizer, dict) and isinstance(tokenizer.get("vocab_size"), int) and tokenizer["vocab_size"] > 0:
+        out["vocab_size"] = tokenizer["vocab_size"]
+    if isinstance(provenance.get("seq_len"), int) and provenance["seq_len"] > 0:
+        out["seq_len"] = provenance["seq_len"]
+    return out
 
 
 def build_optimizer(cfg: TrainConfig, model: nn.Module, lr: float, device: torch.device) -> torch.optim.Optimizer:
