@@ -100,9 +100,9 @@ def test_worker_killed_is_an_error_not_a_hang(text_data):
 
 
 def test_bad_settings_are_refused(text_data):
-    with pytest.raises(UserError, match="data.num_workers"):
+    with pytest.raises(UserError, match=r"data\.num_workers"):
         MicroBatchLoader(dataset(text_data), num_workers=-1)
-    with pytest.raises(UserError, match="data.prefetch"):
+    with pytest.raises(UserError, match=r"data\.prefetch"):
         MicroBatchLoader(dataset(text_data), prefetch=0)
 
 

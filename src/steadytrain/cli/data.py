@@ -189,3 +189,79 @@ def validate_cmd(path: str, schema_path: str | None, shards_spec: str | None) ->
         click.echo(f"violations in {len(by_shard)} shard(s): {', '.join(map(str, sorted(by_shard)))}")
         raise click.exceptions.Exit(1)
     click.echo("ok: no violations")
+
+
+@data.command("ingest")
+@click.argument("sources", nargs=-1, required=True, type=click.Path())
+@click.option("--out", required=True, type=click.Path(), help="New (or empty) dataset directory.")
+@click.option("--kind", type=click.Choice(["text", "records"]), default=None, help="Default: text for .txt or --field.")
+@click.option("--tokenizer", default=None, help="bytes (default) or a tokenizers JSON file (text only).")
+@click.option("--seq-len", type=click.IntRange(min=1), default=None, help="Tokens per window seen by a model [128].")
+@click.option("--field", default=None, help="The string field (.jsonl) or column (.parquet) holding each document.")
+@click.option("--shard-rows", type=click.IntRange(min=1), default=None, help="Windows [8192] or records [65536].")
+@click.option("--workers", type=click.IntRange(1, 1024), default=1, show_default=True, help="Processes; same output.")
+@click.option("--pipeline-version", default="1", show_default=True, help="Recorded in every shard's provenance.")
+@click.option("--skip-bad", is_flag=True, help="Skip bad lines (counted in provenance) instead of stopping.")
+def ingest_cmd(
+    sources: tuple[str, ...],
+    out: str,
+    kind: str | None,
+    tokenizer: str | None,
+    seq_len: int | None,
+    field: str | None,
+    shard_rows: int | None,
+    workers: int,
+    pipeline_version: str,
+    skip_bad: bool,
+) -> None:
+    """Text, JSON lines, CSV or Parquet files (or directories of them; .gz/.zst too) to a sharded dataset.
+
+    Text becomes windows of seq-len + 1 tokens in a `tokens` column; records stay rows, with a schema.yaml.
+    Written aside and renamed into place when complete: a failed or killed ingest leaves nothing at --out.
+    """
+    import contextlib
+    import logging
+    import time
+
+    from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
+
+    from steadytrain.cli._common import err_console, log_handler
+    from steadytrain.data.ingest import ingest
+
+    logger = logging.getLogger("steadytrain.data")
+    logger.handlers[:], logger.propagate = [log_handler("ingest: ")], False
+    logger.setLevel(logging.WARNING)  # skipped lines, leftovers of killed ingests; an error stays one line
+    options = {"tokenizer": tokenizer, "seq_len": seq_len}
+    bar = Progress(BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn(), console=err_console)
+    task = bar.add_task("ingest", total=None)
+    last = [time.monotonic()]
+    t0 = last[0]
+
+    def progress(done: int, total: int) -> None:
+        if err_console.is_terminal:
+            bar.update(task, completed=done, total=total)
+        elif time.monotonic() - last[0] >= 10 and done < total:  # not a terminal: a line every 10 s
+            last[0] = time.monotonic()
+            rate = done / 1e6 / max(last[0] - t0, 1e-9)
+            share = f"{done / 1e6:.1f}/{total / 1e6:.1f} MB ({done / max(total, 1):.0%})"
+            click.echo(f"ingest: {share}, {rate:.1f} MB/s", err=True)
+
+    with bar if err_console.is_terminal else contextlib.nullcontext():
+        result = ingest(
+            list(sources),
+            out,
+            kind=kind,
+            field=field,
+            shard_rows=shard_rows,
+            workers=workers,
+            pipeline_version=pipeline_version,
+            skip_bad=skip_bad,
+            progress=progress,
+            **{k: v for k, v in options.items() if v is not None},
+        )
+    tokens = f", {result.tokens} tokens" if result.kind == "text" else ""
+    skipped = f", {result.skipped_lines} bad line(s) skipped" if skip_bad else ""
+    click.echo(
+        f"{shown(result.path)}: {result.shards} shards, {result.rows} {'windows' if tokens else 'records'}{tokens}"
+        f"{skipped} from {result.input_bytes / 1e6:.1f} MB in {result.seconds:.1f} s ({result.mb_per_s:.1f} MB/s)"
+    )

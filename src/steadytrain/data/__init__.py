@@ -20,6 +20,7 @@ from steadytrain.data.format import (
     ShardInfo,
     open_dataset,
 )
+from steadytrain.data.ingest import IngestError, IngestResult, ingest
 from steadytrain.data.provenance import (
     healthy_shards,
     majority_provenance,
@@ -40,6 +41,8 @@ __all__ = [
     "EvalSet",
     "FieldSpec",
     "FieldViolation",
+    "IngestError",
+    "IngestResult",
     "PolicyCounts",
     "Schema",
     "SchemaError",
@@ -55,6 +58,7 @@ __all__ = [
     "healthy_shards",
     "holdout_shards",
     "infer_schema",
+    "ingest",
     "majority_provenance",
     "open_dataset",
     "provenance_differences",

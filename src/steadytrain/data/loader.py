@@ -109,10 +109,9 @@ class MicroBatchLoader:
         ds = self.dataset
         return f"micro-batch {m} of epoch {ds.epoch} (rank {ds.rank}, shards {ds.micro_batch_shards(m)})"
 
-    def _background(self) -> Iterator[dict[str, Any]]:
-        ds = self.dataset
-        loader = DataLoader(
-            _Numbered(ds),
+    def _loader(self) -> DataLoader:
+        return DataLoader(
+            _Numbered(self.dataset),
             batch_size=None,
             num_workers=self.num_workers,
             prefetch_factor=math.ceil(self.prefetch / self.num_workers),
@@ -121,6 +120,15 @@ class MicroBatchLoader:
             generator=torch.Generator().manual_seed(0),  # never a draw from the training RNG
             multiprocessing_context="fork" if "fork" in torch.multiprocessing.get_all_start_methods() else None,
         )
+
+    def _background(self) -> Iterator[dict[str, Any]]:
+        ds = self.dataset
+        cores = os.cpu_count() or 1
+        if self.num_workers > cores:
+            log.warning("data.num_workers=%d on %d cores: the workers compete with training", self.num_workers, cores)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="This DataLoader will create")  # said above, on one line
+            loader = self._loader()
         it = _start(loader)
         try:
             while True:
@@ -153,11 +161,8 @@ def _start(loader: DataLoader) -> Any:
     worker dies (inside a forward, a collective); without it the death is noticed inside ``next()`` by
     the loader's own liveness check, where :class:`MicroBatchLoader` names the micro-batch.
     """
-    cores = os.cpu_count() or 1
-    if loader.num_workers > cores:
-        log.warning("data.num_workers=%d on %d cores: the workers compete with training", loader.num_workers, cores)
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="This DataLoader will create")  # said above, on one line
+        warnings.filterwarnings("ignore", message="This DataLoader will create")  # said by MicroBatchLoader
         try:
             before = signal.getsignal(signal.SIGCHLD)
         except (AttributeError, ValueError):  # no SIGCHLD on this platform

@@ -15,8 +15,9 @@ from steadytrain.data.index import DatasetError
 
 __all__ = ["IGNORED", "healthy_shards", "majority_provenance", "provenance_differences", "provenance_outliers"]
 
-# Always differ from shard to shard: not evidence of a different production.
-IGNORED = frozenset({"created_at"})
+# Differ from shard to shard by construction (time written; which input files, padding and skipped lines
+# an ingested shard holds): not evidence of a different production.
+IGNORED = frozenset({"created_at", "sources", "pad_tokens", "skipped_lines"})
 
 
 def _key(value: Any) -> str:

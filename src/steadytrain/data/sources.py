@@ -1,0 +1,300 @@
+"""The inputs of ``steadytrain data ingest``: files found in a fixed order, read in pieces with line numbers.
+
+``SRC`` arguments are files or directories (walked recursively, hidden names skipped, files sorted by
+their path inside the directory) of ``.txt``, ``.jsonl``, ``.csv`` and ``.parquet``; the first three
+may be ``.gz`` or ``.zst`` compressed (pyarrow decompresses them). A text, JSON-lines or CSV file is
+read as a stream in pieces of about :data:`PIECE_BYTES`, each cut after a newline (in a CSV file,
+after a newline outside quotes), so memory stays bounded whatever the size of the file; each piece
+knows the number of its first line, so an error names ``file:line``. A Parquet file is read in record
+batches. Pieces are grouped into :class:`Chunk` s of about :data:`CHUNK_BYTES`: the unit of work
+ingest hands to a worker, fixed by the input alone and never by the number of workers.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from steadytrain._io import brief
+from steadytrain.data.format import _sha256
+from steadytrain.errors import UserError
+
+__all__ = [
+    "CHUNK_BYTES",
+    "FORMATS",
+    "PIECE_BYTES",
+    "Chunk",
+    "IngestError",
+    "Piece",
+    "Source",
+    "describe",
+    "find_sources",
+    "iter_chunks",
+]
+
+PIECE_BYTES = 1 << 20  # a piece of a text file: cut after the last newline in about this many bytes
+CHUNK_BYTES = 1 << 20  # pieces (of one file or of many small ones) handed to a worker at once
+PARQUET_BATCH_ROWS = 65_536
+FORMATS = {".txt": "txt", ".jsonl": "jsonl", ".csv": "csv", ".parquet": "parquet"}
+COMPRESSIONS = {".gz": "gzip", ".zst": "zstd"}
+_BOM = b"\xef\xbb\xbf"
+NEWLINE = b"\n"
+_KNOWN = ".txt, .jsonl, .csv, .parquet (the first three also .gz or .zst)"
+
+
+class IngestError(UserError):
+    """Input that cannot be ingested: the message names the file (and line) and the fix."""
+
+
+@dataclass(frozen=True)
+class Source:
+    """One input file."""
+
+    path: Path
+    """The file to open."""
+    name: str
+    """As given on the command line, joined with the path inside a given directory: shown and recorded."""
+    format: str
+    """``txt``, ``jsonl``, ``csv`` or ``parquet``."""
+    compression: str | None
+    """``gzip``, ``zstd`` or None."""
+    size: int
+    """Bytes on disk."""
+
+
+@dataclass
+class Piece:
+    """Whole lines of one file (a Parquet record batch as a table), with the number of the first one."""
+
+    source: int
+    """Index of the file in the list of sources."""
+    data: bytes | pa.Table
+    first_line: int
+    """1-based line (Parquet: row) number of the first line in its file."""
+    last: bool
+    """The end of its file: in a text file, where the document ends."""
+    header: bytes = b""
+    """A CSV file's header record, passed on to every piece after the first."""
+
+
+@dataclass
+class Chunk:
+    """Pieces in input order, about :data:`CHUNK_BYTES` of input: one unit of work."""
+
+    pieces: list[Piece] = field(default_factory=list)
+    done_bytes: int = 0
+    """Bytes on disk of all sources read up to the end of this chunk (for progress)."""
+    nbytes: int = 0
+    """Bytes of data in the pieces."""
+
+    def add(self, piece: Piece, done_bytes: int) -> None:
+        self.pieces.append(piece)
+        self.nbytes += len(piece.data) if isinstance(piece.data, bytes) else piece.data.nbytes
+        self.done_bytes = done_bytes
+
+
+def _format_of(name: str) -> tuple[str, str | None] | None:
+    stem, ext = os.path.splitext(name.lower())
+    compression = COMPRESSIONS.get(ext)
+    if compression is not None:
+        stem, ext = os.path.splitext(stem)
+    fmt = FORMATS.get(ext)
+    if fmt is None or (fmt == "parquet" and compression is not None):
+        return None
+    return fmt, compression
+
+
+def _walk(root: Path, given: str) -> list[Source]:
+    """The usable files under ``root``, sorted by their path inside it; hidden names skipped."""
+    found = []
+    for here, dirs, files in os.walk(root, onerror=_raise_walk_error):
+        dirs[:] = [d for d in dirs if not d.startswith(".")]  # .git, and ingest's own .DIR.ingest-* folders
+        for f in files:
+            full = Path(here, f)
+            if f.startswith(".") or (kind := _format_of(f)) is None or not full.is_file():
+                continue
+            rel = full.relative_to(root).as_posix()
+            found.append(Source(full, os.path.join(given, rel), *kind, full.stat().st_size))
+    return sorted(found, key=lambda s: s.path.relative_to(root).as_posix())
+
+
+def _raise_walk_error(err: OSError) -> None:
+    raise IngestError(f"{err.filename}: cannot be listed ({err.strerror or err})")
+
+
+def find_sources(paths: Sequence[str | os.PathLike[str]]) -> list[Source]:
+    """The input files named by ``paths`` (files, or directories walked recursively), in a fixed order.
+
+    Raises:
+        IngestError: no path given, a missing path, a file of another type, a directory without usable
+            files, something that is not a regular file, or one file named twice.
+
+    Example:
+        >>> import tempfile, os
+        >>> d = tempfile.mkdtemp(); _ = open(os.path.join(d, "b.txt"), "w").write("hi")
+        >>> [s.format for s in find_sources([d])]
+        ['txt']
+    """
+    if not paths:
+        raise IngestError(f"no input: name files or directories of {_KNOWN}")
+    out: list[Source] = []
+    for given in map(os.fspath, paths):
+        path = Path(given)
+        try:
+            mode = path.stat().st_mode
+        except FileNotFoundError:
+            raise IngestError(f"{brief(given)}: no such file or directory") from None
+        except OSError as err:
+            raise IngestError(f"{brief(given)}: cannot be read ({err.strerror or err})") from None
+        if stat.S_ISDIR(mode):
+            found = _walk(path, given)
+            if not found:
+                raise IngestError(f"{brief(given)}: no {_KNOWN} files in this directory")
+            out += found
+        elif not stat.S_ISREG(mode):
+            raise IngestError(f"{brief(given)}: not a regular file: name files or directories")
+        elif (kind := _format_of(path.name)) is None:
+            raise IngestError(f"{brief(given)}: not a file ingest reads: use {_KNOWN}")
+        else:
+            out.append(Source(path, given, *kind, path.stat().st_size))
+    seen: dict[str, str] = {}
+    for s in out:
+        real = os.path.realpath(s.path)
+        if real in seen:
+            raise IngestError(f"{brief(s.name)}: named twice (also as {brief(seen[real])}): name each file once")
+        seen[real] = s.name
+    return out
+
+
+def describe(source: Source) -> dict[str, Any]:
+    """``{path, size, sha256}`` of a source as recorded in shard provenance (reads the whole file)."""
+    try:
+        digest = _sha256(source.path)
+    except OSError as err:
+        raise IngestError(f"{brief(source.name)}: cannot be read ({err.strerror or err})") from None
+    return {"path": source.name, "size": source.size, "sha256": digest}
+
+
+def _cut(data: bytes, fmt: str) -> int:
+    """Where a piece of ``data`` ends: after its last newline (CSV: one outside quotes); 0 if there is none."""
+    pos = data.rfind(b"\n")
+    if fmt != "csv" or pos < 0:
+        return pos + 1
+    quotes = data.count(b'"', 0, pos)  # RFC 4180: a newline ends a record iff an even number of quotes precede it
+    while pos >= 0 and quotes % 2:
+        prev = data.rfind(b"\n", 0, pos)
+        quotes -= data.count(b'"', max(prev, 0), pos)
+        pos = prev
+    return pos + 1
+
+
+def _header_end(data: bytes) -> int:
+    """Where a CSV file's first record (the header) ends: after its first newline outside quotes."""
+    pos = data.find(b"\n")
+    while pos >= 0 and data.count(b'"', 0, pos) % 2:
+        pos = data.find(b"\n", pos + 1)
+    return pos + 1 if pos >= 0 else len(data)
+
+
+def _utf8_cut(data: bytes, at: int) -> int:
+    """``at`` moved back to the start of a UTF-8 character (a piece of text never splits one)."""
+    for back in range(min(4, at)):
+        if data[at - back] & 0xC0 != 0x80:
+            return at - back
+    return at
+
+
+def _read(stream: pa.NativeFile, source: Source, line: int) -> bytes:
+    """The next block of a file; corrupt compressed data is an :class:`IngestError` naming about where."""
+    try:
+        return stream.read(PIECE_BYTES)
+    except (OSError, pa.ArrowException) as err:
+        what = f"corrupt or truncated {source.compression} data" if source.compression else "read error"
+        raise IngestError(
+            f"{source.name}:{line}: {what} ({brief(str(err))}): check the file (`gzip -t`, `zstd -t`) or leave it out"
+        ) from None
+
+
+def _text_pieces(index: int, source: Source) -> Iterator[tuple[Piece, int]]:
+    """Pieces of a text, JSON-lines or CSV file with the bytes read from disk so far.
+
+    One block is read ahead, so a file that fits in a piece is one piece, whole (a tokenizer sees the text
+    it would see in one call), and only a larger file is cut.
+    """
+    raw = pa.OSFile(str(source.path), "r")
+    stream = pa.CompressedInputStream(raw, source.compression) if source.compression else raw
+    line, carry, header = 1, b"", b""
+    try:
+        block = _read(stream, source, line)
+        if source.format != "txt" and block.startswith(_BOM):
+            block = block[len(_BOM) :]
+        while True:
+            ahead = _read(stream, source, line + carry.count(NEWLINE) + block.count(NEWLINE)) if block else b""
+            data = carry + block if carry else block
+            if not ahead:  # the end of the file: the rest is its last piece
+                yield Piece(index, data, line, last=True, header=header), raw.tell()
+                return
+            cut = _cut(data, source.format)
+            if cut == 0 and source.format == "txt" and len(data) >= PIECE_BYTES:  # no newline: cut anyway
+                cut = _utf8_cut(data, len(data) - 1)
+            block = ahead
+            if cut == 0:  # a line longer than a piece: read on (a JSON or CSV record is parsed whole)
+                carry = data
+                continue
+            piece, carry = data[:cut], data[cut:]
+            yield Piece(index, piece, line, last=False, header=header), raw.tell()
+            if line == 1 and source.format == "csv":
+                header = piece[: _header_end(piece)]
+            line += piece.count(NEWLINE)
+    finally:
+        stream.close()
+
+
+def _parquet_pieces(index: int, source: Source, columns: list[str] | None) -> Iterator[tuple[Piece, int]]:
+    """Record batches of a Parquet file as tables, with an estimate of the bytes read from disk so far."""
+    try:
+        pf = pq.ParquetFile(str(source.path))
+        total = max(pf.metadata.num_rows, 1)
+        row = 1
+        for batch in pf.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=columns):
+            piece = Piece(index, pa.Table.from_batches([batch]), row, last=False)
+            row += batch.num_rows
+            yield piece, source.size * (row - 1) // total
+    except (OSError, pa.ArrowException) as err:
+        raise IngestError(f"{source.name}: not readable Parquet ({brief(str(err))}): check the file") from None
+
+
+def iter_chunks(sources: Sequence[Source], *, parquet_columns: list[str] | None = None) -> Iterator[Chunk]:
+    """Every source's pieces in order, grouped into chunks of about :data:`CHUNK_BYTES`.
+
+    A Parquet record batch is a chunk of its own. ``parquet_columns`` reads only those columns.
+
+    Raises:
+        IngestError: a file cannot be read (corrupt compressed data, unreadable Parquet); raised when the
+            reader gets there, after every chunk before it was yielded.
+    """
+    chunk, before = Chunk(), 0
+    for index, source in enumerate(sources):
+        if source.format == "parquet":
+            pieces = _parquet_pieces(index, source, parquet_columns)
+        else:
+            pieces = _text_pieces(index, source)
+        for piece, done in pieces:
+            table = isinstance(piece.data, pa.Table)
+            if table and chunk.pieces:
+                yield chunk
+                chunk = Chunk()
+            chunk.add(piece, before + done)
+            if chunk.nbytes >= CHUNK_BYTES or table:
+                yield chunk
+                chunk = Chunk()
+        before += source.size
+    if chunk.pieces:
+        yield chunk
