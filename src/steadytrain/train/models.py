@@ -210,12 +210,24 @@ def check_losses(out: Any, n: int) -> Tensor:
     return out
 
 
+def _check_fits(data: dict[str, Any], kwargs: dict[str, Any]) -> None:
+    """Refuse a tiny-lm smaller than its data: token ids past ``model.vocab_size`` (or windows longer than
+    ``model.seq_len``) would fail inside the first forward, as an index error."""
+    for key in ("vocab_size", "seq_len"):
+        if key in kwargs and key in data and isinstance(kwargs[key], int) and kwargs[key] < data[key]:
+            raise UserError(
+                f"model.{key}={kwargs[key]} is smaller than the dataset's {key} ({data[key]}, in its index.json "
+                f"provenance): remove model.{key} or set it to at least {data[key]}"
+            )
+
+
 def build_model(name: str, kwargs: dict[str, Any], *, context: dict[str, Any]) -> nn.Module:
     """The model ``name`` with ``kwargs``; built-ins also get what they need from ``context``
     (``seq_len`` and ``vocab_size`` for tiny-lm; ``schema`` and ``stats`` for tabular)."""
     try:
         if name == "tiny-lm":
             given = {k: context[k] for k in ("seq_len", "vocab_size") if k in context}
+            _check_fits(given, kwargs)
             return TinyLM(**{**given, **kwargs})
         if name == "tabular":
             return tabular_from_dataset(
