@@ -21,6 +21,7 @@ from steadytrain.data.format import (
     open_dataset,
 )
 from steadytrain.data.ingest import IngestError, IngestResult, ingest
+from steadytrain.data.loader import DataWorkerError, MicroBatchLoader
 from steadytrain.data.provenance import (
     healthy_shards,
     majority_provenance,
@@ -35,6 +36,7 @@ __all__ = [
     "POLICIES",
     "BatchedDataset",
     "CorruptShardError",
+    "DataWorkerError",
     "Dataset",
     "DatasetError",
     "DatasetWriter",
@@ -43,6 +45,7 @@ __all__ = [
     "FieldViolation",
     "IngestError",
     "IngestResult",
+    "MicroBatchLoader",
     "PolicyCounts",
     "Schema",
     "SchemaError",
