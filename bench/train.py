@@ -85,9 +85,10 @@ def hand_written(cfg, skip: int) -> float:
     torch.manual_seed(cfg.run.seed)
     model = build_model(cfg.model.name, cfg.model.kwargs(), context=model_context(cfg, path))
     o = cfg.optim
-    opt = torch.optim.AdamW(
-        model.parameters(), lr=plan.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, fused=True
-    )
+    params = list(model.parameters())  # nanoGPT's groups: matrices decayed, biases and norm gains not
+    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": o.weight_decay},
+              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]  # fmt: skip
+    opt = torch.optim.AdamW(groups, lr=plan.lr, betas=o.betas, eps=o.eps, fused=True)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt,
         lambda s: lr_multiplier(s, warmup_steps=plan.warmup_steps, total_steps=plan.total_steps, decay="cosine",

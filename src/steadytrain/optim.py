@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-__all__ = ["LAMB", "LARS", "exclude_bias_and_norm"]
+__all__ = ["LAMB", "LARS", "NO_DECAY_KINDS", "decay_groups", "exclude_bias_and_norm"]
 
 _NORM_LAYERS: tuple[type[nn.Module], ...] = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)
 
@@ -287,25 +287,70 @@ class LAMB(_Layerwise):
             p.add_(r, alpha=-group["lr"])
 
 
-def exclude_bias_and_norm(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """Split a model's parameters into an adapted, decayed group and an excluded group.
+NO_DECAY_KINDS = ("bias", "norm")
+"""What ``optim.no_decay`` may name: ``bias`` (parameters named ``bias``), ``norm`` (every parameter of a
+normalization layer, and any other parameter of fewer than 2 dimensions: scales and gains)."""
 
-    Group 0 holds the weights (``ndim > 1``) of layers that are not normalization layers -- Linear, Conv,
-    Embedding and the like -- with ``weight_decay`` and ``adapt=True``. Group 1 holds everything else: biases,
-    any 1-D parameter, and all parameters of normalization layers (``_NormBase`` subclasses such as BatchNorm
-    and InstanceNorm, ``LayerNorm``, ``GroupNorm``, ``RMSNorm``), with ``weight_decay=0.0`` and
-    ``adapt=False``. Parameters shared between modules appear once; frozen parameters are included too.
 
-    Args:
-        model: The model whose parameters to split.
-        weight_decay: Weight decay for the adapted group, ``>= 0``.
+def _is_norm_layer(module: nn.Module) -> bool:
+    return isinstance(module, _NORM_LAYERS) or type(module).__name__.endswith("Norm")
 
-    Returns:
-        Two param groups, ``[adapted, excluded]``, ready for :class:`LARS` or :class:`LAMB` (either may have
-        an empty ``params`` list).
+
+def decay_groups(
+    model: nn.Module, weight_decay: float, no_decay: Iterable[str] = NO_DECAY_KINDS
+) -> list[dict[str, Any]]:
+    """Split a model's trainable parameters into a decayed group and one exempt from weight decay.
+
+    One rule for every optimizer: a parameter is exempt when ``"bias"`` is in ``no_decay`` and its name is
+    ``bias``, or when ``"norm"`` is in ``no_decay`` and it belongs to a normalization layer (torch's, or any
+    module whose class name ends in ``Norm``) or has fewer than 2 dimensions. With both (the default) every
+    parameter of fewer than 2 dimensions is exempt; with ``()`` everything is decayed. The decayed group has
+    ``adapt=True`` and the exempt one ``weight_decay=0.0, adapt=False`` (the LARS/LAMB trust ratio skips it).
+    Empty groups are left out; frozen and shared parameters are skipped / listed once. Each group carries
+    ``names`` (parameter names, for the start-up listing; torch keeps extra keys of a param group).
 
     Raises:
-        ValueError: If ``weight_decay`` is negative.
+        ValueError: a negative ``weight_decay`` or an unknown kind in ``no_decay``.
+
+    Example:
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 1))
+        >>> [len(g["params"]) for g in decay_groups(model, 0.1)], len(decay_groups(model, 0.1, [])[0]["params"])
+        ([2, 4], 6)
+    """
+    _check("decay_groups", "weight_decay", weight_decay, weight_decay >= 0, ">= 0")
+    kinds = set(no_decay)
+    _check("decay_groups", "no_decay", sorted(kinds), kinds <= set(NO_DECAY_KINDS), f"a subset of {NO_DECAY_KINDS}")
+    decayed, exempt = _split(model, kinds, frozen=False)
+    groups = [
+        {"params": list(decayed.values()), "names": list(decayed), "weight_decay": weight_decay, "adapt": True},
+        {"params": list(exempt.values()), "names": list(exempt), "weight_decay": 0.0, "adapt": False},
+    ]
+    return [g for g in groups if g["params"]]
+
+
+def _split(model: nn.Module, kinds: set[str], *, frozen: bool) -> tuple[dict[str, nn.Parameter], ...]:
+    """``(decayed, exempt)`` by name, each parameter once (shared ones under their first name)."""
+    decayed: dict[str, nn.Parameter] = {}
+    exempt: dict[str, nn.Parameter] = {}
+    seen: set[int] = set()
+    for module_name, module in model.named_modules():
+        norm = _is_norm_layer(module)
+        for name, p in module.named_parameters(recurse=False):
+            if id(p) in seen or not (frozen or p.requires_grad):
+                continue
+            seen.add(id(p))
+            full = f"{module_name}.{name}" if module_name else name
+            skip = ("bias" in kinds and name == "bias") or ("norm" in kinds and (norm or p.ndim < 2))
+            (exempt if skip else decayed)[full] = p
+    return decayed, exempt
+
+
+def exclude_bias_and_norm(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """The two usual groups for :class:`LARS` and :class:`LAMB`: ``[adapted, excluded]``.
+
+    :func:`decay_groups` with ``bias`` and ``norm`` exempt, always two groups (either may be empty), and
+    frozen parameters included.
 
     Example:
         >>> from torch import nn
@@ -315,17 +360,8 @@ def exclude_bias_and_norm(model: nn.Module, weight_decay: float) -> list[dict[st
         (2, 4)
     """
     _check("exclude_bias_and_norm", "weight_decay", weight_decay, weight_decay >= 0, ">= 0")
-    adapted: list[nn.Parameter] = []
-    excluded: list[nn.Parameter] = []
-    seen: set[int] = set()
-    for module in model.modules():
-        is_norm = isinstance(module, _NORM_LAYERS)
-        for p in module.parameters(recurse=False):
-            if id(p) in seen:
-                continue
-            seen.add(id(p))
-            (excluded if is_norm or p.ndim <= 1 else adapted).append(p)
+    adapted, excluded = _split(model, set(NO_DECAY_KINDS), frozen=True)
     return [
-        {"params": adapted, "weight_decay": weight_decay, "adapt": True},
-        {"params": excluded, "weight_decay": 0.0, "adapt": False},
+        {"params": list(adapted.values()), "weight_decay": weight_decay, "adapt": True},
+        {"params": list(excluded.values()), "weight_decay": 0.0, "adapt": False},
     ]

@@ -128,6 +128,9 @@ class OptimConfig(_Section):
     eps: float = Field(default=1e-8, gt=0, allow_inf_nan=False)
     fused: bool | None = None
     """Use the fused kernel (None: when available for the device and optimizer)."""
+    no_decay: list[Literal["bias", "norm"]] = ["bias", "norm"]
+    """Parameters exempt from weight decay, for every optimizer: ``bias`` (named bias), ``norm`` (normalization
+    layers' parameters and any other parameter of fewer than 2 dimensions); ``[]`` decays everything."""
 
 
 class ClipConfig(_Section):

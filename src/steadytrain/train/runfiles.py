@@ -209,6 +209,16 @@ def record_resume(job: Job, checkpoint: str) -> None:
         job.run.write_json(job.run.plan, plan)
 
 
+def decay_listing(optimizer: Any, no_decay: list[str]) -> str:
+    """One line: the weight decay of each param group, with its tensor and element counts."""
+    parts = []
+    for g in optimizer.param_groups:
+        n = sum(p.numel() for p in g["params"])
+        parts.append(f"{g['weight_decay']:g} on {len(g['params'])} tensors ({n:,} parameters)")
+    exempt = f"exempt: {', '.join(no_decay)}" if no_decay else "nothing exempt"
+    return f"weight decay {'; '.join(parts)} ({exempt}; optim.no_decay)"
+
+
 def log_start(job: Job) -> None:
     p = job.plan
     if not job.info.is_main:
@@ -229,6 +239,7 @@ def log_start(job: Job) -> None:
         p.warmup_steps,
         p.total_steps,
     )
+    log.info("%s", decay_listing(job.optimizer, job.cfg.optim.no_decay))
     if p.dropped_per_epoch:
         log.info("%d example(s) per epoch do not fill a global batch and are not used", p.dropped_per_epoch)
     log.info("run directory: %s", job.run.path)

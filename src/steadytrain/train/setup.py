@@ -29,7 +29,7 @@ from steadytrain.data import (
 from steadytrain.data.loader import MicroBatchLoader, default_num_workers
 from steadytrain.data.transform import load_transform
 from steadytrain.errors import UserError
-from steadytrain.optim import LAMB, LARS, exclude_bias_and_norm
+from steadytrain.optim import LAMB, LARS, decay_groups
 from steadytrain.schedule import BatchPlan, warmup_schedule
 from steadytrain.train.config import TrainConfig
 from steadytrain.train.distributed import DistInfo
@@ -266,18 +266,20 @@ def token_context(provenance: dict[str, Any]) -> dict[str, Any]:
 
 
 def build_optimizer(cfg: TrainConfig, model: nn.Module, lr: float, device: torch.device) -> torch.optim.Optimizer:
-    """The configured optimizer (fused AdamW/SGD where the device supports it)."""
+    """The configured optimizer (fused AdamW/SGD where the device supports it) over :func:`decay_groups`:
+    ``optim.no_decay`` exempts biases and norm parameters from weight decay, for every optimizer alike."""
     o = cfg.optim
-    if o.name in ("lars", "lamb"):
-        groups = exclude_bias_and_norm(model, o.weight_decay)
-        if o.name == "lars":
-            return LARS(groups, lr=lr, momentum=o.momentum, weight_decay=o.weight_decay)
-        return LAMB(groups, lr=lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+    groups = decay_groups(model, o.weight_decay, o.no_decay)
+    if not groups:
+        raise UserError(f"model.name={cfg.model.name!r} has no trainable parameters: nothing to optimize")
+    if o.name == "lars":
+        return LARS(groups, lr=lr, momentum=o.momentum)
+    if o.name == "lamb":
+        return LAMB(groups, lr=lr, betas=o.betas, eps=o.eps)
     fused = o.fused if o.fused is not None else device.type in ("cuda", "cpu")
-    params = [p for p in model.parameters() if p.requires_grad]
     if o.name == "sgd":
-        return torch.optim.SGD(params, lr=lr, momentum=o.momentum, weight_decay=o.weight_decay, fused=fused)
-    return torch.optim.AdamW(params, lr=lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, fused=fused)
+        return torch.optim.SGD(groups, lr=lr, momentum=o.momentum, fused=fused)
+    return torch.optim.AdamW(groups, lr=lr, betas=o.betas, eps=o.eps, fused=fused)
 
 
 def build_accumulator(
