@@ -402,3 +402,14 @@ def test_two_ingests_to_one_directory_one_wins(tmp_path):
     assert len(err.strip().splitlines()) == 1 and ("another ingest" in err or "not empty" in err), err
     open_dataset(out).verify()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".ds.")]
+
+
+def test_a_dataset_inside_src_is_skipped_and_a_dataset_as_src_is_refused(tmp_path, capsys):
+    src = tmp_path / "corpus"
+    src.mkdir()
+    (src / "a.txt").write_text("hello world\n")
+    first = ingest([src], src / "ds", seq_len=8)  # the output lands inside the input folder
+    second = ingest([src], tmp_path / "again", seq_len=8)  # a re-run reads the text, not the first's shards
+    assert second.tokens == first.tokens == len("hello world\n") + 1
+    assert_user_error(run_main(capsys, str(src / "ds"), "--out", str(tmp_path / "o")), "data.path=")
+    assert not (tmp_path / "o").exists()

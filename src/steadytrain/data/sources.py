@@ -1,17 +1,19 @@
 """The inputs of ``steadytrain data ingest``: files found in a fixed order, read in pieces with line numbers.
 
-``SRC`` arguments are files or directories (walked recursively, hidden names skipped, files sorted by
-their path inside the directory) of ``.txt``, ``.jsonl``, ``.csv`` and ``.parquet``; the first three
-may be ``.gz`` or ``.zst`` compressed (pyarrow decompresses them). A text, JSON-lines or CSV file is
-read as a stream in pieces of about :data:`PIECE_BYTES`, each cut after a newline (in a CSV file,
-after a newline outside quotes), so memory stays bounded whatever the size of the file; each piece
-knows the number of its first line, so an error names ``file:line``. A Parquet file is read in record
-batches. Pieces are grouped into :class:`Chunk` s of about :data:`CHUNK_BYTES`: the unit of work
-ingest hands to a worker, fixed by the input alone and never by the number of workers.
+``SRC`` arguments are files or directories (walked recursively, hidden names and steadytrain
+datasets inside them skipped, files sorted by their path inside the directory) of ``.txt``,
+``.jsonl``, ``.csv`` and ``.parquet``; the first three may be ``.gz`` or ``.zst`` compressed
+(pyarrow decompresses them). A text, JSON-lines or CSV file is read as a stream in pieces of about
+:data:`PIECE_BYTES`, each cut after a newline (in a CSV file, after a newline outside quotes), so
+memory stays bounded whatever the size of the file; each piece knows the number of its first line,
+so an error names ``file:line``. A Parquet file is read in record batches. Pieces are grouped into
+:class:`Chunk` s of about :data:`CHUNK_BYTES`: the unit of work ingest hands to a worker, fixed by
+the input alone and never by the number of workers.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import stat
 from collections.abc import Iterator, Sequence
@@ -24,7 +26,10 @@ import pyarrow.parquet as pq
 
 from steadytrain._io import brief
 from steadytrain.data.format import _sha256
+from steadytrain.data.index import INDEX
 from steadytrain.errors import UserError
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "CHUNK_BYTES",
@@ -112,10 +117,14 @@ def _format_of(name: str) -> tuple[str, str | None] | None:
 
 
 def _walk(root: Path, given: str) -> list[Source]:
-    """The usable files under ``root``, sorted by their path inside it; hidden names skipped."""
+    """The usable files under ``root``, sorted by their path inside it; hidden names and datasets skipped."""
+    if (root / INDEX).is_file():
+        raise IngestError(
+            f"{brief(given)}: is a steadytrain dataset already ({INDEX}): train on it with data.path={given}"
+        )
     found = []
     for here, dirs, files in os.walk(root, onerror=_raise_walk_error):
-        dirs[:] = [d for d in dirs if not d.startswith(".")]  # .git, and ingest's own .DIR.ingest-* folders
+        dirs[:] = [d for d in dirs if not d.startswith(".") and not _is_dataset(Path(here, d))]
         for f in files:
             full = Path(here, f)
             if f.startswith(".") or (kind := _format_of(f)) is None or not full.is_file():
@@ -123,6 +132,14 @@ def _walk(root: Path, given: str) -> list[Source]:
             rel = full.relative_to(root).as_posix()
             found.append(Source(full, os.path.join(given, rel), *kind, full.stat().st_size))
     return sorted(found, key=lambda s: s.path.relative_to(root).as_posix())
+
+
+def _is_dataset(path: Path) -> bool:
+    """Whether ``path`` is a steadytrain dataset (say, an earlier ingest's --out inside this SRC): skipped."""
+    if not (path / INDEX).is_file():
+        return False
+    log.warning("%s: skipped, a steadytrain dataset (%s) inside the input directory", brief(str(path)), INDEX)
+    return True
 
 
 def _raise_walk_error(err: OSError) -> None:
