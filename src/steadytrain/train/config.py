@@ -145,6 +145,11 @@ class DistributedConfig(_Section):
     """DDP, or FSDP2 (``fully_shard``) under torchrun."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """``auto``: NCCL on GPU, gloo on CPU."""
+    fsdp_param_dtype: Literal["bf16", "fp32"] | None = None
+    """FSDP2 mixed precision: the dtype parameters are gathered in for compute (default: bf16 with
+    ``precision: bf16``, else fp32, no policy)."""
+    fsdp_reduce_dtype: Literal["bf16", "fp32"] = "fp32"
+    """FSDP2 mixed precision: the dtype gradients are reduce-scattered in (fp32: exact sums across ranks)."""
 
 
 class NonFiniteConfig(_Section):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -17,7 +18,7 @@ from torch import nn
 
 from steadytrain.errors import UserError
 
-__all__ = ["DistInfo", "agree", "from_main", "init_distributed", "teardown", "wrap_model"]
+__all__ = ["DistInfo", "agree", "from_main", "init_distributed", "mixed_precision", "teardown", "wrap_model"]
 
 
 @dataclass(frozen=True)
@@ -62,8 +63,31 @@ def init_distributed(backend: str = "auto") -> DistInfo:
     return DistInfo(dist.get_rank(), dist.get_world_size(), local, device, chosen)
 
 
-def wrap_model(model: nn.Module, info: DistInfo, strategy: str) -> nn.Module:
-    """DDP, or FSDP2 with every block of each ``nn.ModuleList`` and the root sharded; alone: as is."""
+_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def mixed_precision(precision: str, param_dtype: str | None, reduce_dtype: str) -> Any:
+    """FSDP2's ``MixedPrecisionPolicy`` for a run: bf16 parameters for compute under ``precision: bf16``
+    (or as ``distributed.fsdp_param_dtype`` says), gradients reduced in ``reduce_dtype``; None for
+    full fp32 (FSDP2's default: no casts at all).
+
+    Example:
+        >>> mixed_precision("bf16", None, "fp32").param_dtype
+        torch.bfloat16
+        >>> mixed_precision("fp32", None, "fp32") is None
+        True
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    param = param_dtype or ("bf16" if precision == "bf16" else "fp32")
+    if param == "fp32" and reduce_dtype == "fp32":
+        return None
+    return MixedPrecisionPolicy(param_dtype=_DTYPES[param], reduce_dtype=_DTYPES[reduce_dtype])
+
+
+def wrap_model(model: nn.Module, info: DistInfo, strategy: str, mp_policy: Any = None) -> nn.Module:
+    """DDP, or FSDP2 with every block of each ``nn.ModuleList`` and the root sharded (under ``mp_policy``,
+    a :func:`mixed_precision` policy, when given); alone: as is."""
     model = model.to(info.device)
     if info.backend is None:
         return model
@@ -73,11 +97,12 @@ def wrap_model(model: nn.Module, info: DistInfo, strategy: str) -> nn.Module:
         return DDP(model, device_ids=[info.device.index] if info.device.type == "cuda" else None)
     from torch.distributed.fsdp import fully_shard
 
+    policy = {} if mp_policy is None else {"mp_policy": mp_policy}
     for module in list(model.modules()):
         if isinstance(module, nn.ModuleList):
             for block in module:
-                fully_shard(block)
-    fully_shard(model)
+                fully_shard(block, **policy)
+    fully_shard(model, **policy)
     return model
 
 

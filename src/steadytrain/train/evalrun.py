@@ -27,6 +27,7 @@ from steadytrain.train.setup import (
     build_evalset,
     data_path,
     eval_shards,
+    fsdp_policy,
     model_context,
     resolve_plan,
 )
@@ -74,7 +75,7 @@ def evaluate_run(run_dir: str | Path, *, step: int | None = None, data: str | Pa
         evalset = _evalset(cfg, run, info, Path(data) if data else None)
         torch.manual_seed(cfg.run.seed)
         model = build_model(cfg.model.name, cfg.model.kwargs(), context=model_context(cfg, data_path(cfg)))
-        model = wrap_model(model, info, cfg.distributed.strategy)
+        model = wrap_model(model, info, cfg.distributed.strategy, fsdp_policy(cfg))
         state = restore(path, model, None, no_dist=info.backend is None)  # each rank reads what it holds
         result = evaluate(model, evalset, info, precision=cfg.precision)
         return result.row(int(state["step"])) | {"checkpoint": str(path)}

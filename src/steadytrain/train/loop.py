@@ -38,6 +38,7 @@ from steadytrain.train.setup import (
     build_optimizer,
     data_path,
     eval_shards,
+    fsdp_policy,
     model_context,
     resolve_plan,
 )
@@ -85,7 +86,7 @@ def _build(cfg: TrainConfig, info: DistInfo, run_dir: Path | None, resume: Path 
     evalset = build_evalset(cfg, path, held_out, info, ds)  # refused here, before any step or run directory
     torch.manual_seed(cfg.run.seed)  # the same initial weights on every rank
     model = build_model(cfg.model.name, cfg.model.kwargs(), context=model_context(cfg, path))
-    model = wrap_model(model, info, cfg.distributed.strategy)
+    model = wrap_model(model, info, cfg.distributed.strategy, fsdp_policy(cfg))
     optimizer = build_optimizer(cfg, model, plan.lr, info.device)
     scaler = torch.amp.GradScaler(info.device.type) if cfg.precision == "fp16" else None
     acc = build_accumulator(cfg, model, optimizer, plan, scaler)

@@ -32,7 +32,7 @@ from steadytrain.errors import UserError
 from steadytrain.optim import LAMB, LARS, decay_groups
 from steadytrain.schedule import BatchPlan, warmup_schedule
 from steadytrain.train.config import TrainConfig
-from steadytrain.train.distributed import DistInfo
+from steadytrain.train.distributed import DistInfo, mixed_precision
 
 __all__ = [
     "RunPlan",
@@ -41,6 +41,7 @@ __all__ = [
     "build_loader",
     "build_optimizer",
     "data_path",
+    "fsdp_policy",
     "resolve_plan",
 ]
 
@@ -263,6 +264,12 @@ def token_context(provenance: dict[str, Any]) -> dict[str, Any]:
     if isinstance(provenance.get("seq_len"), int) and provenance["seq_len"] > 0:
         out["seq_len"] = provenance["seq_len"]
     return out
+
+
+def fsdp_policy(cfg: TrainConfig) -> Any:
+    """FSDP2's mixed-precision policy for the run (``precision`` and ``distributed.fsdp_*``); None under DDP."""
+    d = cfg.distributed
+    return mixed_precision(cfg.precision, d.fsdp_param_dtype, d.fsdp_reduce_dtype) if d.strategy == "fsdp" else None
 
 
 def build_optimizer(cfg: TrainConfig, model: nn.Module, lr: float, device: torch.device) -> torch.optim.Optimizer:
