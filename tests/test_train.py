@@ -127,6 +127,9 @@ def test_run_writes_every_file_with_a_falling_loss_and_the_warmup_schedule(tmp_p
         "items",
         "items_per_s",
         "elapsed_s",
+        "tokens_per_s",
+        "flops_per_s",
+        "peak_mem_mb",  # no mfu: a CPU without run.peak_flops
     }
     losses = [r["loss"] for r in rows]
     assert all(math.isfinite(x) for x in losses)

@@ -20,6 +20,7 @@ from steadytrain.errors import UserError
 from steadytrain.runs import plots
 from steadytrain.runs.record import RunRecord, load_run, shown, smooth
 from steadytrain.train.runschema import check_nonfinite_report
+from steadytrain.train.throughput import describe, summarize
 
 __all__ = ["PLOTS", "Report", "environment_paragraph", "plan_sentence", "report", "report_after_training"]
 
@@ -203,6 +204,7 @@ def summary_markdown(rec: RunRecord, rep: Report, stopped: str | None) -> str:
         ("final loss", f"{_fmt(s['final'])} (smoothed {_fmt(s['smoothed'])})"),
         *_validation_rows(rec),
         ("throughput", f"median {_fmt(s['rate'], '.4g')} examples/s" if s["rate"] else "n/a"),
+        *([("compute", text)] if (text := describe(summarize(rec.metrics))) else []),
         ("wall time", f"{s['elapsed']:.1f} s" if s["elapsed"] is not None else "n/a"),
     ]
     lines = [f"# Run {md(rec.name)}", "", f"- {md(plan_sentence(rec.plan))}", *_schedule_lines(rec)]

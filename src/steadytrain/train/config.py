@@ -53,9 +53,28 @@ class ModelConfig(BaseModel):
     model_config = ConfigDict(extra="allow", use_attribute_docstrings=True)
     name: str = "tiny-lm"
     """``tiny-lm``, ``tabular`` or ``package.module:factory`` (its other keys are keyword arguments)."""
+    compile: bool = False
+    """``torch.compile`` each block of the model (its ``nn.ModuleList``), or the whole model when it has none."""
+    compile_fallback: bool = False
+    """When compiling fails: train eagerly with a warning (true), or stop with the error (false)."""
+    activation_checkpointing: Literal["none", "full", "selective"] = "none"
+    """Recompute blocks' activations in the backward instead of keeping them: every block, or every
+    ``ac_every``-th one (``selective``)."""
+    ac_every: int = Field(default=2, ge=1, le=1 << 16)
+    """``selective``: checkpoint blocks ``i`` with ``i % ac_every == 0``."""
+    ac_blocks: str | None = None
+    """The attribute holding the model's blocks (an ``nn.ModuleList``, e.g. ``transformer.h``); absent: the
+    ``nn.ModuleList`` with the most parameters."""
+
+    @field_validator("ac_every", mode="before")
+    @classmethod
+    def _no_flag(cls, value: Any) -> Any:
+        if isinstance(value, bool):
+            raise ValueError(f"{str(value).lower()} is a flag, not a number: give a number")
+        return value
 
     def kwargs(self) -> dict[str, Any]:
-        """The factory's keyword arguments: every key but ``name``."""
+        """The factory's keyword arguments: every key but ``name`` and the speed settings."""
         return dict(self.model_extra or {})
 
 
@@ -231,6 +250,13 @@ class EvalConfig(_Section):
         return self
 
 
+class ProfileConfig(_Section):
+    start_step: int = Field(ge=1, le=MAX_COUNT)
+    """The first optimizer step profiled (1-based, as ``metrics.jsonl`` counts)."""
+    steps: int = Field(default=2, ge=1, le=MAX_COUNT)
+    """Optimizer steps profiled from ``start_step``: ``RUN/profile/rank{r}-steps{a}-{b}.pt.trace.json``."""
+
+
 class RunConfig(_Section):
     name: str = Field(default="default", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
     """The run's name: its directory under ``dir``."""
@@ -244,6 +270,10 @@ class RunConfig(_Section):
     epochs: int = Field(default=1, ge=1)
     log_every: int = Field(default=10, ge=1)
     """Optimizer steps between log lines (and host reads of the metrics)."""
+    peak_flops: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    """Dense peak FLOP/s of one device, for ``mfu`` (absent: the table of known GPUs; none on a CPU)."""
+    profile: ProfileConfig | None = None
+    """A ``torch.profiler`` trace of optimizer steps ``{start_step, steps}`` per rank (absent: none)."""
 
 
 class TrainConfig(_Section):

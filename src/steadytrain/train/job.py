@@ -78,3 +78,11 @@ class Job:
     """Micro-batches of the open cycle so far (the step loss is their mean)."""
     ended: str | None = None
     """Why a run that succeeded ended before its last planned step (early stopping)."""
+    compiled: Any = None
+    """What ``model.compile`` compiled (a :class:`~steadytrain.train.speed.CompiledModel`), or None."""
+
+    @property
+    def compile_s(self) -> float | None:
+        """Seconds the compile took (the compiled modules' first calls; None: not compiled or fell back)."""
+        c = self.compiled
+        return None if c is None or c.eager else round(c.seconds, 1)

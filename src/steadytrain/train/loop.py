@@ -28,6 +28,7 @@ from steadytrain.train.evaluate import Validation, evaluate, precision_context
 from steadytrain.train.job import Interrupted, Job, TrainingStopped
 from steadytrain.train.metrics import MetricsLog, Progress
 from steadytrain.train.models import build_model, check_losses
+from steadytrain.train.profiling import StepProfiler
 from steadytrain.train.recover import ROLLED_BACK, fresh_optimizer_state, keep_for_rollback, restore_rng, rollback
 from steadytrain.train.resume import apply_hyperparameters, hyperparameters
 from steadytrain.train.setup import (
@@ -42,9 +43,11 @@ from steadytrain.train.setup import (
     model_context,
     resolve_plan,
 )
+from steadytrain.train.speed import speed_up
 from steadytrain.train.spikes import SpikeGuard
 from steadytrain.train.state import TrainState
 from steadytrain.train.stop import StopRequest
+from steadytrain.train.throughput import for_run
 
 __all__ = ["Interrupted", "TrainingStopped", "train"]
 
@@ -86,6 +89,7 @@ def _build(cfg: TrainConfig, info: DistInfo, run_dir: Path | None, resume: Path 
     evalset = build_evalset(cfg, path, held_out, info, ds)  # refused here, before any step or run directory
     torch.manual_seed(cfg.run.seed)  # the same initial weights on every rank
     model = build_model(cfg.model.name, cfg.model.kwargs(), context=model_context(cfg, path))
+    compiled = speed_up(model, cfg.model, announce=info.is_main)  # checkpointing, then compile: before the wrap
     model = wrap_model(model, info, cfg.distributed.strategy, fsdp_policy(cfg))
     optimizer = build_optimizer(cfg, model, plan.lr, info.device)
     scaler = torch.amp.GradScaler(info.device.type) if cfg.precision == "fp16" else None
@@ -93,6 +97,7 @@ def _build(cfg: TrainConfig, info: DistInfo, run_dir: Path | None, resume: Path 
     manifest = runfiles.check_environment(cfg, info)  # before anything is written: a refusal leaves no run dir
     run, lock, changes = runfiles.prepare(cfg, info, plan, run_dir=run_dir, resume=resume, data=path, held_out=held_out)
     job = Job(cfg, info, plan, run, model, optimizer, acc, ds, scaler, lock=lock, changes=changes)
+    job.compiled = compiled
     if evalset is not None:
         job.validation = Validation(evalset, cfg.eval.every_steps, cfg.eval.patience)
     job.loader = build_loader(cfg, ds, info.device)
@@ -136,6 +141,7 @@ def _resume(job: Job) -> None:
 def _run(job: Job) -> dict[str, Any]:
     total = job.plan.total_steps
     progress = Progress(total, job.state.step) if job.info.is_main else None
+    meter, profiler = _instruments(job)
     job.metrics = MetricsLog(
         job.run,
         job.info,
@@ -145,6 +151,7 @@ def _run(job: Job) -> dict[str, Any]:
         elapsed_before=job.state.elapsed_before,
         progress=progress,
         spikes=job.spikes if job.spikes.collects else None,
+        throughput=meter,
     )
     runfiles.log_start(job)
     sp = job.cfg.spike
@@ -159,8 +166,9 @@ def _run(job: Job) -> dict[str, Any]:
         fresh_optimizer_state(job, 0)
     stopped = None
     try:
-        stopped = _steps(job)
+        stopped = _steps(job, profiler)
     finally:
+        profiler.close()
         job.metrics.flush()
         job.metrics.close()
         if progress is not None:
@@ -186,7 +194,24 @@ def _run(job: Job) -> dict[str, Any]:
     raise err
 
 
-def _steps(job: Job) -> str | None:
+def _instruments(job: Job) -> tuple[Any, StepProfiler]:
+    """The run's throughput figures (FLOPs counted on the first micro-batch the loop reads, on a meta copy of the
+    model: see :mod:`~steadytrain.train.throughput`) and its profiler (``run.profile``; a no-op when absent)."""
+    info, cfg = job.info, job.cfg
+    meter = for_run(
+        info.device, info.world_size, job.plan.global_batch_size, job.plan.accumulation_steps,
+        precision=cfg.precision, peak=cfg.run.peak_flops, is_main=info.is_main,
+    )  # fmt: skip
+    job.loader = meter.on_first(job.loader, job.model, info.is_main)
+    prof = cfg.run.profile
+    profiler = StepProfiler(
+        prof and prof.start_step, prof.steps if prof else 0, done=job.state.step, last_step=_last_step(job),
+        out=job.run.path / "profile", rank=info.rank, device=info.device,
+    )  # fmt: skip
+    return meter, profiler
+
+
+def _steps(job: Job, profiler: StepProfiler) -> str | None:
     """Optimizer steps until the plan's total; returns why it stopped early, or None."""
     total, resumed = _last_step(job), job.state.step > 0
     while job.state.step < total:
@@ -203,6 +228,7 @@ def _steps(job: Job) -> str | None:
             if result is None:
                 continue
             reason = _after_step(job, result, loss)
+            profiler.step()  # once per optimizer step
             if reason is ROLLED_BACK:
                 resumed = True  # the data continues from the checkpoint's position
                 break
@@ -232,7 +258,10 @@ def _micro_batch(job: Job, mb: dict[str, Any]) -> tuple[Any, torch.Tensor]:
     is refused (see :func:`steadytrain.diagnose.ledger.event_record`). No host sync here.
     """
     dev = job.info.device
-    batch = {k: v.to(dev, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in mb.items()}
+    if dev.type == "cpu":
+        batch = mb  # already where the model is
+    else:
+        batch = {k: v.to(dev, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in mb.items()}
     shard, index = mb["shard"], mb["index"]
     job.state.count(shard)
     autocast = precision_context(dev, job.cfg.precision)
@@ -246,11 +275,12 @@ def _micro_batch(job: Job, mb: dict[str, Any]) -> tuple[Any, torch.Tensor]:
         loss = check_losses(out, len(index)).float().mean()
         if out.dim() == 1:
             tag["losses"] = out.detach()  # per-example; its flags are computed only if the step is refused
+        detached = loss.detach()
         if job.spikes.detector is not None:  # a spike's record of a model that returns a scalar loss
-            tag["loss"] = loss.detach()
+            tag["loss"] = detached
         m.backward(loss)
         # before the with block ends (and the cycle with it): the accumulator's veto judges the step loss
-        job.step_loss = loss.detach() if m.position == 0 else job.step_loss + loss.detach()
+        job.step_loss = detached if m.position == 0 else job.step_loss + detached
         job.step_micros = m.position + 1
     if m.result is None:
         return None, job.step_loss

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from steadytrain._io import append_jsonl
 from steadytrain.train.distributed import DistInfo
 from steadytrain.train.rundir import RunDir
+from steadytrain.train.throughput import peak_mem_mb
 
 __all__ = ["MetricsLog"]
 
@@ -61,6 +62,9 @@ class MetricsLog:
     spikes: Any = None
     """A ``warn`` :class:`~steadytrain.train.spikes.SpikeGuard`: judges the interval's losses, read with them."""
     _tb: Any = None
+    throughput: Any = None
+    """A :class:`~steadytrain.train.throughput.Throughput`: rows get ``tokens_per_s``, ``flops_per_s``, ``mfu`` (the
+    known ones, from ``items_per_s``) and ``peak_mem_mb`` (read once per flush: no device sync)."""
 
     def __post_init__(self) -> None:
         if self.info.is_main:
@@ -112,8 +116,9 @@ class MetricsLog:
         else:
             values = losses.tolist()  # host sync: once per logging interval
         rows = []
+        mem = {"peak_mem_mb": peak_mem_mb(self.info.device)} if self.throughput is not None else {}
         for p, loss in zip(self._pending, values, strict=True):
-            rows.append(self._row(p, loss, self.items_per_step / max(p.t - self._t_last, 1e-9)))
+            rows.append(self._row(p, loss, self.items_per_step / max(p.t - self._t_last, 1e-9)) | mem)
             self._t_last = p.t
         self._pending.clear()
         self.last = rows[-1]
@@ -137,14 +142,16 @@ class MetricsLog:
             "items_per_s": round(rate, 3),
             "elapsed_s": round(self.elapsed_before + p.t - self._t0, 3),
         }
+        if self.throughput is not None:
+            row |= self.throughput.fields(row["items_per_s"])
         return row | {"spike": True} if p.spike else row
 
     def _to_tensorboard(self, rows: list[dict[str, Any]]) -> None:
         if self._tb is None:
             return
         for row in rows:
-            for key in ("loss", "lr", "grad_norm", "items_per_s"):
-                if row[key] is not None:
+            for key in ("loss", "lr", "grad_norm", "items_per_s", "tokens_per_s", "mfu", "peak_mem_mb"):
+                if row.get(key) is not None:
                     self._tb.add_scalar(f"train/{key}", row[key], row["step"])
         self._tb.flush()
 
@@ -175,6 +182,12 @@ class Progress:
         loss = "nan" if row["loss"] is None else f"{row['loss']:.4f}"
         norm = "nan" if row["grad_norm"] is None else f"{row['grad_norm']:.3g}"
         info = f"loss {loss}  lr {row['lr']:.3g}  grad_norm {norm}  {row['items_per_s']:.0f} items/s"
+        if row.get("tokens_per_s") is not None:
+            info += f"  {row['tokens_per_s']:.0f} tok/s"
+        if row.get("mfu") is not None:
+            info += f"  mfu {row['mfu']:.1%}"
+        if row.get("peak_mem_mb") is not None:
+            info += f"  mem {row['peak_mem_mb']:.0f} MiB"
         if self.rich is not None:
             self.rich.update(self.task, completed=row["step"], info=info)
         else:

@@ -30,6 +30,15 @@ _REFUSED = {
     "run.name": "a resumed run stays in its own directory",
     "run.dir": "a resumed run stays in its own directory",
 }
+_SPEED = (
+    "model.compile",
+    "model.compile_fallback",
+    "model.activation_checkpointing",
+    "model.ac_every",
+    "model.ac_blocks",
+)
+"""How the model runs, not what it is: the same weights under the same names (a resume may change them; a
+run saved before they existed has none of them)."""
 _SAME_VALIDATION = ("eval.data", "eval.max_batches", "eval.micro_batch_size")
 """What decides which validation examples an evaluation counts: fixed once a run has evaluated, since the
 best loss so far (early stopping, ``checkpoint.keep_best``) must compare like with like."""
@@ -52,6 +61,8 @@ def config_changes(saved: dict[str, Any], new: dict[str, Any]) -> dict[str, list
 
 def _why_refused(key: str, old: Any, new: Any, evaluated: bool) -> str | None:
     """Why a resume cannot change ``key`` from ``old`` to ``new`` (None: it can)."""
+    if key in _SPEED:
+        return None
     why = next((w for prefix, w in _REFUSED.items() if key == prefix or key.startswith(prefix)), None)
     if why is None and key == "precision" and "fp16" in (old, new):
         why = "fp16 keeps a loss-scaler state that the other precisions do not have"

@@ -18,6 +18,7 @@ from steadytrain.errors import UserError
 from steadytrain.train.distributed import DistInfo, agree, barrier
 from steadytrain.train.rundir import RunDir, claim_run_dir, lock_run, open_run_dir
 from steadytrain.train.runschema import check_plan, read_metrics, read_resumes
+from steadytrain.train.throughput import describe, summarize
 
 if TYPE_CHECKING:
     from steadytrain.train.config import TrainConfig
@@ -284,6 +285,8 @@ def finish(job: Job, stopped: str | None) -> dict[str, Any]:
         "elapsed_s": round(job.metrics.elapsed(), 1) if job.metrics else 0.0,
         "stopped": stopped,
     }
+    if job.compile_s is not None:
+        summary["compile_s"] = job.compile_s  # part of elapsed_s (and of the first step's time)
     if job.info.is_main:
         p = job.plan
         lines = [
@@ -294,6 +297,10 @@ def finish(job: Job, stopped: str | None) -> dict[str, Any]:
             f"- optimizer steps {job.state.step} of {p.total_steps}, skipped {job.acc.skipped_steps}",
             f"- final loss {summary['final_loss']}, wall time {summary['elapsed_s']} s",
         ]
+        if job.run.metrics.exists():  # the whole run's rows (a resumed run's earlier ones too)
+            summary |= summarize(read_metrics(job.run.metrics)[0])
+        if text := describe(summary):
+            lines.append(f"- throughput: {text}")
         if stopped:
             lines.append(f"- stopped early: {md(stopped)}")
         if (v := job.validation) is not None and v.best_step is not None:

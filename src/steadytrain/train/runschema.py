@@ -92,6 +92,10 @@ METRICS: dict[str, tuple[str, bool]] = {
     "items_per_s": ("nonnegative", True),
     "elapsed_s": ("nonnegative", True),
     "spike": ("flag", True),
+    "tokens_per_s": ("nonnegative", True),
+    "flops_per_s": ("nonnegative", True),
+    "mfu": ("nonnegative", True),
+    "peak_mem_mb": ("nonnegative", True),
 }
 ROLLBACK: dict[str, tuple[str, bool]] = {
     "rollback_to": ("count", False),

@@ -324,7 +324,9 @@ def check_model_args(cfg: TrainConfig, *, user_code: bool = True) -> None:
     The tabular model needs the data's statistics: it is checked where it is built. ``user_code=False``
     checks the built-in models only (``config show`` inspects a config without running its factory)."""
     from steadytrain.train.models import build_model
+    from steadytrain.train.speed import check_blocks
 
     if cfg.model.name == "tiny-lm" or (user_code and cfg.model.name != "tabular"):
         with torch.device("meta"):
-            build_model(cfg.model.name, cfg.model.kwargs(), context={"seq_len": cfg.data.seq_len})
+            model = build_model(cfg.model.name, cfg.model.kwargs(), context={"seq_len": cfg.data.seq_len})
+        check_blocks(model, cfg.model)  # model.ac_blocks names a list of blocks; checkpointing has blocks

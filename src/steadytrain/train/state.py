@@ -41,14 +41,29 @@ class TrainState:
     elapsed_before: float = 0.0
     """Wall time of the run before this process resumed it."""
     exposure: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-    """Examples seen per shard id by this rank (rank 0 also holds the counts from before a resume)."""
+    """Examples seen per shard id by this rank (rank 0 also holds the counts from before a resume); read it
+    through :meth:`global_exposure`, which adds the micro-batches :meth:`count` holds."""
+    _uncounted: list[torch.Tensor] = field(default_factory=list)
 
     def count(self, shard: torch.Tensor) -> None:
-        """Add a micro-batch's examples (``shard``: each example's shard id, a host tensor)."""
-        counts = np.bincount(shard.numpy().reshape(-1), minlength=len(self.exposure))  # NumPy: no torch op overhead
-        if len(counts) > len(self.exposure):
-            self.exposure = np.concatenate([self.exposure, np.zeros(len(counts) - len(self.exposure), dtype=np.int64)])
-        self.exposure += counts
+        """Add a micro-batch's examples (``shard``: each example's shard id, a host tensor); counted when the
+        exposure is next read, or every 256 micro-batches (one bincount then, not one per micro-batch)."""
+        self._uncounted.append(shard)
+        if len(self._uncounted) >= 256:
+            self._fold()
+
+    def _fold(self) -> np.ndarray:
+        """The exposure with every micro-batch added so far."""
+        if self._uncounted:
+            ids = np.concatenate([s.numpy().reshape(-1) for s in self._uncounted])
+            self._uncounted.clear()
+            counts = np.bincount(ids, minlength=len(self.exposure))  # NumPy: no torch op overhead
+            if len(counts) > len(self.exposure):
+                grown = np.zeros(len(counts), dtype=np.int64)
+                grown[: len(self.exposure)] = self.exposure
+                self.exposure = grown
+            self.exposure += counts
+        return self.exposure
 
     def state_dict(self, *, elapsed_s: float, exposure: dict[int, int]) -> dict[str, Any]:
         """JSON data; ``exposure``: every rank's counts (a collective gathers them); ``elapsed_s``: the wall time."""
@@ -85,15 +100,17 @@ class TrainState:
         if self.spikes is not None:
             self.spikes.load_state_dict(state.get("spikes"))
         saved = {int(k): int(v) for k, v in (state.get("exposure") or {}).items()} if is_main else {}
+        self._uncounted.clear()
         self.exposure = np.zeros(max(saved, default=-1) + 1, dtype=np.int64)
         for shard, n in saved.items():
             self.exposure[shard] = n
 
     def global_exposure(self, info: DistInfo, shard_ids: Any) -> dict[int, int]:
         """Examples seen per shard over all ranks (a collective: every rank calls it)."""
-        size = max(max(shard_ids, default=-1) + 1, len(self.exposure))
+        exposure = self._fold()
+        size = max(max(shard_ids, default=-1) + 1, len(exposure))
         counts = torch.zeros(size, dtype=torch.int64)
-        counts[: len(self.exposure)] = torch.from_numpy(self.exposure)
+        counts[: len(exposure)] = torch.from_numpy(exposure)
         if info.backend is not None:
             on = counts.to(info.device)  # NCCL reduces device tensors only
             dist.all_reduce(on)
