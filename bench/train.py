@@ -11,9 +11,14 @@ checkpoint are outside the timed steps).
 Per-step time is measured from the first ``--skip`` steps on (warm caches) to the last step;
 rounds alternate the two sides and the ratio is the median of paired ratios.
 
+``--speed`` measures the speed settings instead (issue 21): tiny-lm's per-step time with
+``model.compile=true`` against eager (the compile time apart), and the bytes autograd saves for the
+backward with ``model.activation_checkpointing`` ``full`` and ``selective`` against ``none``.
+
 Usage::
 
     python bench/train.py [--model tiny-lm|tabular|both] [--steps N] [--repeats R]
+    python bench/train.py --speed [--steps N] [--repeats R]
 """
 
 from __future__ import annotations
@@ -58,8 +63,8 @@ def tabular_data(path: Path) -> Path:
 
 def configs(model: str, steps: int, data_dir: Path) -> list[str]:
     common = [f"run.max_steps={steps}", f"run.log_every={LOG_EVERY}", f"checkpoint.every_steps={steps + 1}"]
-    if model == "tiny-lm":
-        return common  # the embedded default: tiny-lm on the standard library's source
+    if model == "tiny-lm":  # the embedded default: tiny-lm on the standard library's source, with held-out
+        return [*common, f"eval.every_steps={steps + 1}"]  # shards evaluated once, after the timed steps
     path = tabular_data(data_dir / "tabular")
     return [*common, "model.name=tabular", f"data.path={path}", "batch.micro_batch_size=256",
             "batch.global_batch_size=1024", "batch.base_batch_size=1024"]  # fmt: skip
@@ -71,7 +76,8 @@ def per_step(times: list[float], skip: int) -> float:
 
 def ours(cfg, run_dir: Path, skip: int) -> float:
     train(cfg, run_dir=run_dir)
-    elapsed = [json.loads(line)["elapsed_s"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    elapsed = [r["elapsed_s"] for r in rows if "val_loss" not in r]  # training rows (an evaluation's has no time)
     return per_step(elapsed, skip)
 
 
@@ -133,14 +139,75 @@ def bench(model: str, steps: int, repeats: int, skip: int, work: Path) -> tuple[
     return statistics.median(a), statistics.median(b), statistics.median(ratios)
 
 
+def saved_bytes(model: torch.nn.Module, mb: dict) -> int:
+    """Bytes of the activations autograd keeps for one micro-batch's backward (each storage once, no parameters)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if (ptr := t.untyped_storage().data_ptr()) not in params:
+            seen[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(mb).mean()
+    loss.backward()
+    return sum(seen.values())
+
+
+def activation_bytes(work: Path) -> None:
+    """Saved-activation bytes of the default tiny-lm's micro-batch under each checkpointing mode."""
+    from steadytrain.train.speed import apply_activation_checkpointing
+
+    cfg = load_config(None, configs("tiny-lm", 10, work))
+    path = data_path(cfg)
+    mb = next(iter(ShardedDataset(path, batch_size=cfg.batch.micro_batch_size, accumulation_steps=1)))
+    sizes = {}
+    for mode, every in (("none", 1), ("full", 1), ("selective", 2)):
+        torch.manual_seed(0)
+        model = build_model(cfg.model.name, cfg.model.kwargs(), context=model_context(cfg, path))
+        if mode != "none":
+            apply_activation_checkpointing(model, mode, every=every)
+        sizes[mode] = saved_bytes(model, mb)
+    print("| activation_checkpointing | saved for backward (MiB) | of none |")
+    print("|---|---:|---:|")
+    for mode, n in sizes.items():
+        print(f"| {mode} | {n / 2**20:.2f} | {n / sizes['none']:.3f} |")
+
+
+def compile_ratio(steps: int, repeats: int, skip: int, work: Path) -> None:
+    """tiny-lm per-step time with model.compile=true against eager, and the compile time."""
+    base = configs("tiny-lm", steps, work)
+    ratios, comp = [], []
+    for r in range(repeats):
+        times = {}
+        for flag in ("false", "true") if r % 2 == 0 else ("true", "false"):
+            cfg = load_config(None, [*base, f"model.compile={flag}"])
+            summary = train(cfg, run_dir=work / f"compile-{flag}-{r}")
+            rows = (work / f"compile-{flag}-{r}" / "metrics.jsonl").read_text().splitlines()
+            times[flag] = per_step([json.loads(x)["elapsed_s"] for x in rows if "val_loss" not in x], skip)
+            if flag == "true":
+                comp.append(summary.get("compile_s"))
+        ratios.append(times["true"] / times["false"])
+        print(f"  round {r}: compiled {times['true'] * 1e3:.1f} ms/step, eager {times['false'] * 1e3:.1f} ms/step, "
+              f"ratio {ratios[-1]:.3f}, compile {comp[-1]} s")  # fmt: skip
+    print(f"compiled / eager per step (median of {repeats}): {statistics.median(ratios):.3f}; compile time {comp} s")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", choices=["tiny-lm", "tabular", "both"], default="both")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--skip", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--speed", action="store_true", help="compile on/off and activation-checkpointing bytes")
     args = parser.parse_args()
     logging.getLogger("steadytrain").setLevel(logging.WARNING)
+    if args.speed:
+        with tempfile.TemporaryDirectory() as tmp:
+            activation_bytes(Path(tmp))
+            compile_ratio(args.steps, args.repeats, args.skip, Path(tmp))
+        return
     models = ["tiny-lm", "tabular"] if args.model == "both" else [args.model]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
