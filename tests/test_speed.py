@@ -243,8 +243,12 @@ def torchrun(run_dir: Path, data: Path, *items: str) -> list[float]:
 
 
 @pytest.mark.distributed
-def test_compiled_and_checkpointed_ddp_gives_the_eager_ddp_losses(tmp_path, text_data):
-    eager = torchrun(tmp_path / "eager", text_data)
-    compiled = torchrun(tmp_path / "compiled", text_data, "model.compile=true", "model.activation_checkpointing=full")
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_compiled_and_checkpointed_two_ranks_give_the_eager_losses(tmp_path, text_data, strategy):
+    on = f"distributed.strategy={strategy}"
+    eager = torchrun(tmp_path / "eager", text_data, on)
+    compiled = torchrun(
+        tmp_path / "compiled", text_data, on, "model.compile=true", "model.activation_checkpointing=full"
+    )
     assert len(eager) == 3
     np.testing.assert_allclose(compiled, eager, rtol=1e-5)
