@@ -49,14 +49,22 @@ def fsdp_worker(rank: int, world_size: int, out, param_dtype: str | None) -> Non
 
 
 def reference(param_dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Each half's gradient with the parameters in ``param_dtype``, then averaged in fp32."""
+    """Each half's gradient with the parameters in ``param_dtype``, then averaged in fp32.
+
+    On one thread, as the ranks run: bf16 sums in another order round differently.
+    """
     model, tokens = model_and_batch()
     total: dict[str, torch.Tensor] = {}
-    for half in tokens.chunk(WORLD):
-        m = copy.deepcopy(model).to(param_dtype)
-        m({"tokens": half}).float().mean().backward()
-        for n, p in m.named_parameters():
-            total[n] = total.get(n, 0) + p.grad.float() / WORLD
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for half in tokens.chunk(WORLD):
+            m = copy.deepcopy(model).to(param_dtype)
+            m({"tokens": half}).float().mean().backward()
+            for n, p in m.named_parameters():
+                total[n] = total.get(n, 0) + p.grad.float() / WORLD
+    finally:
+        torch.set_num_threads(threads)
     return total
 
 
