@@ -28,6 +28,7 @@ import logging
 import math
 import os
 import re
+import statistics
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -281,9 +282,7 @@ class FirstMicroBatch:
 
 
 def _median(xs: list[float]) -> float | None:
-    xs = sorted(xs)
-    n = len(xs)
-    return None if not n else xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
+    return statistics.median(xs) if xs else None
 
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, float]:
