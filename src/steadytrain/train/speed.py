@@ -192,10 +192,7 @@ class CompiledModel:
         out = module._call_impl(*args, **kwargs)  # an error of the model itself raises here, as without compile
         line = _first_line(err)
         if not self.fallback:
-            raise UserError(
-                f"model.compile: {self.name} could not be compiled ({line}): set model.compile_fallback=true "
-                "to train eagerly, or model.compile=false"
-            )
+            raise _not_compiled(self.name, line)
         self.to_eager(line)
         return out
 
@@ -206,6 +203,13 @@ class CompiledModel:
         if not self.eager and self.announce:
             log.warning("model.compile: %s could not be compiled (%s): training eagerly", self.name, line)
         self.eager, self._waiting = True, set()
+
+
+def _not_compiled(name: str, line: str) -> UserError:
+    return UserError(
+        f"model.compile: {name} could not be compiled ({line}): set model.compile_fallback=true to train eagerly, "
+        "or model.compile=false"
+    )
 
 
 def _first_line(err: BaseException) -> str:
@@ -260,10 +264,7 @@ def compile_model(
             m._compiled_call_impl = _guard(handle, m, m._compiled_call_impl)
     except Exception as err:  # any refusal: Dynamo unsupported on this Python or platform
         if not fallback:
-            raise UserError(
-                f"model.compile: {name} could not be compiled ({_first_line(err)}): set model.compile_fallback=true "
-                "to train eagerly, or model.compile=false"
-            ) from None
+            raise _not_compiled(name, _first_line(err)) from None
         handle.to_eager(_first_line(err))
         return handle
     handle._waiting = {id(m) for m in targets}
