@@ -52,7 +52,9 @@ class _Section(BaseModel):
 class ModelConfig(BaseModel):
     model_config = ConfigDict(extra="allow", use_attribute_docstrings=True)
     name: str = "tiny-lm"
-    """``tiny-lm``, ``tabular`` or ``package.module:factory`` (its other keys are keyword arguments)."""
+    """``tiny-lm``, ``tabular``, ``package.module:factory`` (its other keys are keyword arguments), or a Hugging Face
+    causal LM: ``hf:<model_type>`` (e.g. ``hf:gpt2``; its other keys are the config's settings) or ``hf:<directory>``
+    (saved with ``save_pretrained``; never downloaded)."""
     compile: bool = False
     """``torch.compile`` each block of the model (its ``nn.ModuleList``), or the whole model when it has none."""
     compile_fallback: bool = False
