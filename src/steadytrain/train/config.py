@@ -276,6 +276,12 @@ class RunConfig(_Section):
     """Dense peak FLOP/s of one device, for ``mfu`` (absent: the table of known GPUs; none on a CPU)."""
     profile: ProfileConfig | None = None
     """A ``torch.profiler`` trace of optimizer steps ``{start_step, steps}`` per rank (absent: none)."""
+    trackers: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(default_factory=lambda: ["tensorboard"])
+    """Experiment trackers rank 0 mirrors ``metrics.jsonl``, the config and the environment to (``[]``: none);
+    a tracker whose package is missing, or that fails, is one warning and the run goes on (see docs/trackers.md)."""
+    mlflow_uri: str | None = Field(default=None, min_length=1)
+    """``mlflow``'s tracking store: a ``sqlite:``/``file:``/``http(s):`` URI or a path (``*.db``: SQLite, else a
+    file-store directory); absent: ``MLFLOW_TRACKING_URI`` when set, else the SQLite store ``RUN/mlflow.db``."""
 
 
 class TrainConfig(_Section):
