@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 TORCH_PIN := torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint format bench clean image-files
+.PHONY: run test lint format bench clean image-files docs
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -37,6 +37,10 @@ bench: $(STAMP)
 	$(BIN)/python bench/ddp_sync.py
 	$(BIN)/python bench/loop.py
 	$(BIN)/python bench/env_capture.py
+
+# docs/reference/*.md, generated from the config models and the click commands (tests/test_docs.py checks them).
+docs: $(STAMP)
+	$(BIN)/python -m steadytrain._docgen docs/reference
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache .ruff_cache
