@@ -38,11 +38,16 @@ def eval_cmd(run: str, step: int | None, data: str | None, as_json: bool) -> Non
 @click.command("export")
 @click.argument("run", type=click.Path(file_okay=False))
 @click.option("--step", type=click.IntRange(1), default=None, help="The checkpoint's step (default: the latest).")
-@click.option("--out", required=True, type=click.Path(dir_okay=False), help="The file to write (FILE.safetensors).")
-def export_cmd(run: str, step: int | None, out: str) -> None:
-    """RUN's model as one safetensors file: load it with load_state_dict(strict=True) into the model."""
+@click.option(
+    "--format", "fmt", type=click.Choice(["safetensors", "hf"]), default="safetensors", show_default=True,
+    help="safetensors: one file of the model's tensors; hf: a transformers directory (runs of hf: models).",
+)  # fmt: skip
+@click.option("--out", required=True, type=click.Path(), help="FILE.safetensors, or a directory with --format hf.")
+def export_cmd(run: str, step: int | None, fmt: str, out: str) -> None:
+    """RUN's model as one safetensors file (load it with load_state_dict(strict=True) into the model), or with
+    --format hf a directory that AutoModelForCausalLM.from_pretrained loads."""
     from steadytrain._text import one_line
-    from steadytrain.train.export import export_model
+    from steadytrain.train.export import export_hf, export_model
 
-    done = export_model(Path(run), Path(out), step=step)
+    done = (export_hf if fmt == "hf" else export_model)(Path(run), Path(out), step=step)
     click.echo(f"step {done['step']}: {done['tensors']} tensors ({done['bytes']} bytes) -> {one_line(done['out'])}")

@@ -1,10 +1,16 @@
-"""``steadytrain export RUN --out FILE.safetensors``: a run's model as one safetensors file.
+"""``steadytrain export RUN --out FILE.safetensors``: a run's model as one safetensors file; with ``--format hf``
+(a run of an ``hf:`` model) a directory that ``transformers``' ``from_pretrained`` loads.
 
 Tensors only, under the model's own ``state_dict`` keys (no DDP/FSDP wrapper prefix), so the file
 loads into a freshly built model with ``load_state_dict(strict=True)``. The file is streamed: its
 header is written from the checkpoint's shard headers, then each tensor is assembled from every
 rank's shards and written before the next is read, so exporting holds one tensor in memory and never
 the optimizer state. It is written aside and renamed: a killed export leaves no partial file.
+
+``--format hf`` writes ``model.safetensors`` (the same stream, under the ``transformers`` model's own keys)
+and then ``config.json`` (the config the run's model was built from, kept in the run directory): a killed
+export leaves no ``config.json``, which ``from_pretrained`` needs. The directory may be new, empty, or an
+earlier export (its two files are replaced); anything else in it is refused rather than mixed with.
 """
 
 from __future__ import annotations
@@ -16,13 +22,16 @@ from typing import Any
 
 import torch
 
-from steadytrain._io import write_atomic
+from steadytrain._io import read_text, write_atomic, write_text_atomic
 from steadytrain.errors import UserError
 from steadytrain.train.checkpoint import checkpoint_at, is_legacy, load_checkpoint
 from steadytrain.train.ckptfiles import TENSOR, full_tensors, read_state, tensor_shapes, write_safetensors
+from steadytrain.train.hf import CONFIG_FILE as HF_CONFIG
 from steadytrain.train.rundir import open_run_dir
 
-__all__ = ["export_model"]
+__all__ = ["export_hf", "export_model"]
+
+HF_FILES = ("config.json", "model.safetensors")
 
 log = logging.getLogger("steadytrain.train")
 
@@ -59,4 +68,43 @@ def export_model(run_dir: str | Path, out: str | Path, *, step: int | None = Non
     written = {}
     write_atomic(out, lambda f: written.setdefault("bytes", write_safetensors(f, shapes, tensors, meta)))
     log.info("exported %d tensors (%d bytes) of step %d to %s", len(shapes), written["bytes"], saved_step, out)
+    return {"out": str(out), "step": saved_step, "tensors": len(shapes), "bytes": written["bytes"]}
+
+
+def _hf_out(out: Path) -> None:
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out}: a file; --format hf writes a directory (config.json, model.safetensors)")
+    if out.is_dir() and (others := sorted(p.name for p in out.iterdir() if p.name not in HF_FILES)):
+        raise UserError(f"--out {out}: holds other files ({', '.join(others[:3])}); give a new or empty directory")
+    if not out.parent.is_dir():
+        raise UserError(f"--out {out}: the directory {out.parent} does not exist")
+
+
+def export_hf(run_dir: str | Path, out: str | Path, *, step: int | None = None) -> dict[str, Any]:
+    """Write RUN's HF model at ``step`` (default: the latest) to the directory ``out``: ``config.json`` and
+    ``model.safetensors``, which ``AutoModelForCausalLM.from_pretrained(out)`` loads; what was written."""
+    out = Path(out)
+    _hf_out(out)
+    run = open_run_dir(Path(run_dir))
+    if not (run.path / HF_CONFIG).is_file():
+        raise UserError(
+            f"{run.path}: not a run of an hf: model (no {HF_CONFIG}): export it with --out FILE.safetensors"
+        )
+    config = read_text(run.path / HF_CONFIG, what="HF model config")
+    path = checkpoint_at(run.checkpoints, step)
+    shapes, tensors, saved_step, others = _model_tensors(path)
+    if others or not shapes or any(not k.startswith("hf.") for k in shapes):
+        raise UserError(f"{path}: its model state is not an hf: model's (keys {', '.join(sorted(shapes)[:3])})")
+    shapes = {k.removeprefix("hf."): v for k, v in shapes.items()}
+    renamed = ((k.removeprefix("hf."), t) for k, t in tensors)
+    out.mkdir(exist_ok=True)
+    meta = {"format": "pt", "step": str(saved_step), "run": run.path.name}
+    written: dict[str, int] = {}
+
+    def write(f: Any) -> None:
+        written["bytes"] = write_safetensors(f, shapes, renamed, meta)
+
+    write_atomic(out / "model.safetensors", write)
+    write_text_atomic(out / "config.json", config)  # last: only a complete export has one
+    log.info("exported %d tensors (%d bytes) of step %d to %s (hf)", len(shapes), written["bytes"], saved_step, out)
     return {"out": str(out), "step": saved_step, "tensors": len(shapes), "bytes": written["bytes"]}

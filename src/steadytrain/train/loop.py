@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from steadytrain._io import write_text_atomic
 from steadytrain.accumulate import NonFiniteGradientError
 from steadytrain.accumulate.events import SPIKE
 from steadytrain.errors import UserError
@@ -25,6 +26,8 @@ from steadytrain.train.ckptsave import CheckpointFailed, CheckpointWriter
 from steadytrain.train.config import TrainConfig
 from steadytrain.train.distributed import DistInfo, init_distributed, teardown, wrap_model
 from steadytrain.train.evaluate import Validation, evaluate, precision_context
+from steadytrain.train.hf import CONFIG_FILE as HF_CONFIG
+from steadytrain.train.hf import hf_config_json
 from steadytrain.train.job import Interrupted, Job, TrainingStopped
 from steadytrain.train.metrics import MetricsLog, Progress
 from steadytrain.train.models import build_model, check_losses
@@ -89,6 +92,7 @@ def _build(cfg: TrainConfig, info: DistInfo, run_dir: Path | None, resume: Path 
     evalset = build_evalset(cfg, path, held_out, info, ds)  # refused here, before any step or run directory
     torch.manual_seed(cfg.run.seed)  # the same initial weights on every rank
     model = build_model(cfg.model.name, cfg.model.kwargs(), context=model_context(cfg, path))
+    hf_config = hf_config_json(model)  # an HF model's config.json, for `export --format hf`
     compiled = speed_up(model, cfg.model, announce=info.is_main)  # checkpointing, then compile: before the wrap
     model = wrap_model(model, info, cfg.distributed.strategy, fsdp_policy(cfg))
     optimizer = build_optimizer(cfg, model, plan.lr, info.device)
@@ -96,6 +100,8 @@ def _build(cfg: TrainConfig, info: DistInfo, run_dir: Path | None, resume: Path 
     acc = build_accumulator(cfg, model, optimizer, plan, scaler)
     manifest = runfiles.check_environment(cfg, info)  # before anything is written: a refusal leaves no run dir
     run, lock, changes = runfiles.prepare(cfg, info, plan, run_dir=run_dir, resume=resume, data=path, held_out=held_out)
+    if hf_config is not None and info.is_main:
+        write_text_atomic(run.path / HF_CONFIG, hf_config)
     job = Job(cfg, info, plan, run, model, optimizer, acc, ds, scaler, lock=lock, changes=changes)
     job.compiled = compiled
     if evalset is not None:

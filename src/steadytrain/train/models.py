@@ -7,6 +7,7 @@ example; steadytrain takes the mean and knows which examples were non-finite) or
 - ``tiny-lm``: a byte-level transformer (token and position embeddings, pre-norm blocks, causal
   attention); the batch holds ``tokens`` (int, ``[B, seq_len + 1]``), the loss is next-byte
   cross-entropy averaged per sequence.
+- ``hf:<model_type>`` / ``hf:<directory>``: a ``transformers`` causal LM (:mod:`steadytrain.train.hf`).
 - ``tabular``: an embedding per categorical field of the schema and an MLP over its numeric fields
   standardized with the dataset's statistics; the loss is cross-entropy on an integer label column
   (or MSE on a float one). With ``oov="error"`` (default) a categorical value outside the vocabulary
@@ -33,6 +34,7 @@ from steadytrain._imports import import_callable
 from steadytrain._io import brief
 from steadytrain._text import error_text
 from steadytrain.errors import UserError
+from steadytrain.train.hf import build_hf, is_hf
 
 __all__ = ["TabularModel", "TargetEncoding", "TinyLM", "build_model", "check_losses"]
 
@@ -229,6 +231,8 @@ def build_model(name: str, kwargs: dict[str, Any], *, context: dict[str, Any]) -
             given = {k: context[k] for k in ("seq_len", "vocab_size") if k in context}
             _check_fits(given, kwargs)
             return TinyLM(**{**given, **kwargs})
+        if is_hf(name):
+            return build_hf(name, kwargs, context)
         if name == "tabular":
             return tabular_from_dataset(
                 context["schema"],

@@ -33,6 +33,7 @@ from steadytrain.optim import LAMB, LARS, decay_groups
 from steadytrain.schedule import BatchPlan, warmup_schedule
 from steadytrain.train.config import TrainConfig
 from steadytrain.train.distributed import DistInfo, mixed_precision
+from steadytrain.train.hf import is_hf
 
 __all__ = [
     "RunPlan",
@@ -244,8 +245,11 @@ def model_context(cfg: TrainConfig, path: Path) -> dict[str, Any]:
     same shards its target-encoding statistics are fitted on).
     """
     ctx: dict[str, Any] = {"seq_len": cfg.data.seq_len}
-    if cfg.model.name == "tiny-lm" and cfg.data.path is not None:
-        ctx.update(token_context(open_dataset(path).provenance))
+    if (cfg.model.name == "tiny-lm" or is_hf(cfg.model.name)) and cfg.data.path is not None:
+        ds = open_dataset(path)
+        ctx.update(token_context(ds.provenance))
+        if is_hf(cfg.model.name) and ds.shard_ids:  # refused before the run directory, not at the first forward
+            ctx["columns"] = ds.read_schema(ds.shard_ids[0], verify=False).names
     if cfg.model.name == "tabular":
         ds = open_dataset(path)
         healthy = healthy_shards(ds)
@@ -326,7 +330,7 @@ def check_model_args(cfg: TrainConfig, *, user_code: bool = True) -> None:
     from steadytrain.train.models import build_model
     from steadytrain.train.speed import check_blocks
 
-    if cfg.model.name == "tiny-lm" or (user_code and cfg.model.name != "tabular"):
+    if cfg.model.name == "tiny-lm" or (user_code and cfg.model.name != "tabular"):  # hf: too (from its config)
         with torch.device("meta"):
             model = build_model(cfg.model.name, cfg.model.kwargs(), context={"seq_len": cfg.data.seq_len})
         check_blocks(model, cfg.model)  # model.ac_blocks names a list of blocks; checkpointing has blocks

@@ -1,0 +1,219 @@
+"""``model.name: hf:...``: a ``transformers`` causal LM trained, distributed and exported by steadytrain.
+
+Oracles: ``transformers``' own loss (``labels=input_ids``, shifted inside the model), the same job on one
+rank (2-rank DDP and FSDP2), ``from_pretrained`` of the exported directory against the run's own
+checkpoint loaded into a fresh model (logits), ``torch.utils.flop_counter`` on a real pass (FLOPs), and the
+saved model's own weights (``hf:<directory>``). Nothing downloads: models are built from configs or saved
+to a temporary directory."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch.utils.flop_counter import FlopCounterMode
+
+from steadytrain.errors import UserError
+from steadytrain.train.hf import HFCausalLM, build_hf
+from tests.cli_utils import assert_user_error
+from tests.test_train import assert_same_losses, torchrun, wait
+from tests.train_utils import metrics, run_cli, sets, write_text_dataset
+
+transformers = pytest.importorskip("transformers")  # the hf extra; installed with the dev extra (CI)
+
+GPT2 = {"n_layer": 2, "n_embd": 32, "n_head": 2, "n_positions": 64, "resid_pdrop": 0, "embd_pdrop": 0, "attn_pdrop": 0}
+HF = [
+    "model.name=hf:gpt2",
+    *(f"model.{k}={v}" for k, v in GPT2.items()),
+    "data.seq_len=32",
+    "batch.micro_batch_size=4",
+    "batch.global_batch_size=16",
+    "batch.base_batch_size=16",
+    "batch.base_lr=0.01",
+    "run.log_every=2",
+]
+OFFLINE = {"HF_HUB_OFFLINE": "1"}
+
+
+@pytest.fixture(scope="module")
+def text_data(tmp_path_factory) -> Path:
+    return write_text_dataset(tmp_path_factory.mktemp("text"), [90, 130, 70, 110, 120, 80])
+
+
+def train(run_dir: Path, data: Path, *extra: str, steps: int = 6) -> None:
+    args = sets(*HF, f"data.path={data}", f"run.max_steps={steps}", *extra)
+    proc = run_cli("train", "--run-dir", str(run_dir), *args, **OFFLINE)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, text_data) -> Path:
+    run_dir = tmp_path_factory.mktemp("hf") / "run"
+    train(run_dir, text_data, steps=24)
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory, text_data) -> Path:
+    run_dir = tmp_path_factory.mktemp("one") / "run"
+    train(run_dir, text_data, steps=6)
+    return run_dir
+
+
+def tokens(n: int = 4, t: int = 33, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, 256, (n, t), generator=torch.Generator().manual_seed(seed))
+
+
+def test_per_sequence_losses_average_to_transformers_own_loss():
+    torch.manual_seed(0)
+    model = build_hf("hf:gpt2", dict(GPT2), {"seq_len": 32})
+    batch = tokens()
+    ours = model({"tokens": batch})
+    assert ours.shape == (4,)
+    theirs = model.hf(input_ids=batch, labels=batch).loss  # equal lengths: the mean of means is the token mean
+    torch.testing.assert_close(ours.mean(), theirs, rtol=1e-5, atol=1e-6)
+
+
+def test_gpt2_trains_with_falling_loss(trained):
+    losses = [m["loss"] for m in metrics(trained)]
+    assert len(losses) == 24
+    assert sum(losses[-4:]) / 4 < 0.8 * sum(losses[:4]) / 4, losses
+    config = json.loads((trained / "hf_config.json").read_text())
+    assert config["model_type"] == "gpt2" and config["n_layer"] == 2 and config["vocab_size"] == 256
+    assert config["eos_token_id"] is None  # gpt2's 50256 does not exist in a 256-symbol vocabulary
+
+
+def test_export_loads_with_from_pretrained_and_gives_the_runs_logits(trained, tmp_path):
+    out = tmp_path / "hf-model"
+    proc = run_cli("export", str(trained), "--format", "hf", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(out), local_files_only=True).eval()
+    # the run's own model: its checkpoint's tensors (the plain export) in a freshly built adapter
+    flat = tmp_path / "model.safetensors"
+    assert run_cli("export", str(trained), "--out", str(flat)).returncode == 0
+    ours = build_hf("hf:gpt2", dict(GPT2), {"seq_len": 32})
+    ours.load_state_dict(load_file(str(flat)), strict=True)
+    ours.eval()
+    batch = tokens(seed=3)[:, :-1]
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=batch).logits, ours.logits(batch), rtol=0, atol=0)
+    fresh = build_hf("hf:gpt2", dict(GPT2), {"seq_len": 32}).eval()
+    with torch.no_grad():
+        assert not torch.allclose(fresh.logits(batch), ours.logits(batch))  # the export is the trained model
+    again = run_cli("export", str(trained), "--format", "hf", "--out", str(out))  # an earlier export is replaced
+    assert again.returncode == 0, again.stderr
+
+
+def test_export_refuses_what_it_cannot_write(trained, tmp_path, text_data):
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "notes.txt").write_text("mine")
+    assert_user_error(run_cli("export", str(trained), "--format", "hf", "--out", str(busy)), "notes.txt")
+    assert (busy / "notes.txt").read_text() == "mine" and len(list(busy.iterdir())) == 1
+    a_file = tmp_path / "f"
+    a_file.write_text("x")
+    assert_user_error(run_cli("export", str(trained), "--format", "hf", "--out", str(a_file)), "a file")
+    plain = tmp_path / "plain"
+    args = sets("model.dim=32", "model.layers=1", "model.heads=2", "data.seq_len=32", "run.max_steps=2")
+    assert run_cli("train", "--run-dir", str(plain), *args, f"--set=data.path={text_data}").returncode == 0
+    assert_user_error(
+        run_cli("export", str(plain), "--format", "hf", "--out", str(tmp_path / "x")), "not a run of an hf: model"
+    )
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_two_ranks_equal_one_rank(tmp_path, text_data, one_rank, strategy):
+    run_dir = tmp_path / strategy
+    args = ["--run-dir", str(run_dir)]
+    args += sets(*HF, f"data.path={text_data}", "run.max_steps=6", f"distributed.strategy={strategy}")
+    out = wait(torchrun("--standalone", "--nproc-per-node", "2", args=args))
+    assert "micro 4 x accumulation 2 x world 2" in out
+    assert_same_losses(run_dir, one_rank, rtol=1e-4)
+
+
+def test_fsdp_shards_each_decoder_layer(tmp_path):
+    model = build_hf("hf:gpt2", dict(GPT2), {"seq_len": 32})
+    blocks = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
+    assert [len(b) for b in blocks] == [2]  # the decoder layers: what wrap_model shards one by one
+    assert blocks[0] is model.hf.transformer.h
+
+
+def test_flops_per_example_equals_a_counted_pass():
+    model = build_hf("hf:gpt2", dict(GPT2), {"seq_len": 32})
+    model.hf.set_attn_implementation("eager")  # attention as matrix products, which the counter sees on a CPU
+    with FlopCounterMode(display=False) as counter:
+        model({"tokens": tokens()}).sum().backward()
+    counted = counter.get_total_flops() / 4
+    assert model.flops_per_example() == pytest.approx(counted, rel=1e-3)
+
+
+def test_a_saved_directory_loads_its_weights(tmp_path):
+    config = transformers.AutoConfig.for_model("gpt2", vocab_size=256, **GPT2)
+    saved = transformers.AutoModelForCausalLM.from_config(config)
+    saved.save_pretrained(str(tmp_path / "m"))
+    model = build_hf(f"hf:{tmp_path / 'm'}", {}, {"seq_len": 32})
+    assert isinstance(model, HFCausalLM)
+    for key, value in saved.state_dict().items():
+        torch.testing.assert_close(model.hf.state_dict()[key], value, rtol=0, atol=0)
+
+
+def test_a_saved_directory_trains(tmp_path, text_data):
+    config = transformers.AutoConfig.for_model("gpt2", vocab_size=256, **GPT2)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(str(tmp_path / "m"))
+    run_dir = tmp_path / "run"
+    args = sets(f"model.name=hf:{tmp_path / 'm'}", "data.seq_len=32", f"data.path={text_data}", "run.max_steps=2")
+    proc = run_cli("train", "--run-dir", str(run_dir), *args, **OFFLINE)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert len(metrics(run_dir)) == 2
+
+
+@pytest.mark.parametrize(
+    ("name", "kwargs", "context", "words"),
+    [
+        ("hf:gpt3", {}, {}, ["'gpt3' is not a model type", "never downloads", "did you mean hf:"]),
+        ("hf:openai-community/gpt2", {}, {}, ["not a model type", "never downloads"]),
+        ("hf:", {}, {}, ["names no model"]),
+        ("hf:gpt2", {"n_layers": 2}, {}, ["model.n_layers is not a setting", "model.n_layer"]),
+        ("hf:gpt2", {"n_layer": 1, "vocab_size": 100}, {"vocab_size": 300}, ["vocab_size=100", "300"]),
+        ("hf:gpt2", {"n_layer": 1, "n_positions": 16}, {"seq_len": 32}, ["n_positions=16", "at least 32"]),
+        ("hf:t5", {}, {}, ["transformers refused it"]),
+    ],
+)
+def test_bad_names_and_settings_are_one_clear_error(name, kwargs, context, words):
+    with pytest.raises(UserError) as err:
+        build_hf(name, kwargs, context)
+    text = str(err.value)
+    assert "\n" not in text
+    for word in words:
+        assert word in text, (word, text)
+
+
+def test_a_directory_without_config_is_refused(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UserError, match=r"has no config\.json"):
+        build_hf(f"hf:{tmp_path / 'empty'}", {}, {})
+
+
+def test_cli_errors_are_one_line(tmp_path, text_data):
+    base = ["train", "--run-dir", str(tmp_path / "r"), *sets(f"data.path={text_data}", "data.seq_len=32")]
+    assert_user_error(run_cli(*base, "--set", "model.name=hf:gpt-9", **OFFLINE), "never downloads")
+    assert_user_error(run_cli(*base, *sets("model.name=hf:gpt2", "model.n_embdd=8"), **OFFLINE), "model.n_embd")
+    assert not (tmp_path / "r").exists()
+
+
+def test_records_data_is_refused_naming_the_column(tmp_path):
+    import pyarrow as pa
+
+    from steadytrain.data import DatasetWriter
+
+    with DatasetWriter(tmp_path / "rec") as w:
+        w.write_shard(pa.table({"x": [1.0] * 64, "label": [0] * 64}))
+    args = sets("model.name=hf:gpt2", "model.n_layer=1", f"data.path={tmp_path / 'rec'}", "run.max_steps=1")
+    proc = run_cli("train", "--run-dir", str(tmp_path / "r"), *args, **OFFLINE)
+    assert_user_error(proc, "'tokens' column", "x, label")
+    assert not (tmp_path / "r").exists()
