@@ -182,6 +182,7 @@ def test_a_saved_directory_trains(tmp_path, text_data):
         ("hf:gpt2", {"n_layer": 1, "vocab_size": 100}, {"vocab_size": 300}, ["vocab_size=100", "300"]),
         ("hf:gpt2", {"n_layer": 1, "n_positions": 16}, {"seq_len": 32}, ["n_positions=16", "at least 32"]),
         ("hf:t5", {}, {}, ["transformers refused it"]),
+        ("hf:gpt2", {"vocab_size": "abc"}, {}, ["refused the model section", "vocab_size"]),
     ],
 )
 def test_bad_names_and_settings_are_one_clear_error(name, kwargs, context, words):

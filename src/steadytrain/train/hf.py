@@ -174,14 +174,20 @@ def build_hf(name: str, kwargs: dict[str, Any], context: dict[str, Any]) -> HFCa
     target = name[len(PREFIX) :]
     if not target:
         raise UserError("model.name='hf:' names no model: give hf:<model_type> (e.g. hf:gpt2) or hf:<directory>")
-    config = _config(tf, name, target, kwargs, context)
+    try:
+        config = _config(tf, name, target, kwargs, context)
+    except UserError:
+        raise
+    except Exception as err:  # a setting of the wrong type (transformers' configs check them)
+        raise UserError(f"model.name={name!r}: transformers refused the model section: {error_text(err)}") from None
     _check_fits(name, config, context)
     fresh = not Path(target).expanduser().is_dir() or torch.empty(0).device.type == "meta"
     try:
         if fresh:
             model = tf.AutoModelForCausalLM.from_config(config)
         else:
-            model = tf.AutoModelForCausalLM.from_pretrained(target, config=config, local_files_only=True)
+            where = str(Path(target).expanduser())
+            model = tf.AutoModelForCausalLM.from_pretrained(where, config=config, local_files_only=True)
     except UserError:
         raise
     except Exception as err:  # not a causal LM (hf:bert), a config the model refuses, unreadable weights
