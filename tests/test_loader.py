@@ -78,6 +78,21 @@ def test_training_rng_untouched_by_starting_workers(text_data):
     assert torch.equal(torch.rand(4), expected)
 
 
+def test_every_kind_of_column_arrives_as_the_in_process_reader_gives_it(text_data):
+    expected = list(MicroBatchLoader(dataset(text_data, transform=loader_utils.many_kinds)))
+    got = list(MicroBatchLoader(dataset(text_data, transform=loader_utils.many_kinds), num_workers=2))
+    assert len(got) == len(expected) > 0
+    assert expected[0]["big"].numel() * 8 > 1 << 20  # one column travels in shared memory
+    for x, y in zip(got, expected, strict=True):
+        assert x.keys() == y.keys()
+        for k, v in y.items():
+            assert type(x[k]) is type(v), k
+            if isinstance(v, torch.Tensor):
+                assert x[k].dtype == v.dtype and torch.equal(x[k], v), k
+            else:
+                assert (x[k] == v).all() if k == "np" else x[k] == v, k
+
+
 def test_transform_that_raises_in_a_worker_names_the_micro_batch_and_shard(text_data):
     ds = dataset(text_data, transform=loader_utils.raise_on_bad_shard)
     with pytest.raises(DataWorkerError) as err:
