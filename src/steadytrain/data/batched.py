@@ -206,7 +206,7 @@ class BatchedDataset(IterableDataset):
                 nxt = next(mine, None)
             if ranges:
                 part = to_columns(self._take(self._load_window(shards), ranges, ws, wi))  # converted once
-                pieces = split_columns(part, [b - a for _, a, b, _ in ranges])  # views, one call per column
+                pieces = split_columns(part, [b - a for _, a, b, _ in ranges])  # views, made as taken
                 for (m, _, b, stop), piece in zip(ranges, pieces, strict=True):
                     pending.append(piece)
                     if b == stop:
