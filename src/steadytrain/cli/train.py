@@ -95,15 +95,17 @@ def train(
         _handoff(nproc, sys.argv[1:])  # every mistake found here is said once, not once per rank
     _setup_logging()
     main = os.environ.get("RANK", "0") == "0"
-    try:
-        done = run_training(cfg, run_dir=Path(run_dir) if run_dir else None, resume=Path(resume) if resume else None)
+    try:  # rank 0 writes the report (plots, summary.md) when the run ends, before its trackers close
+        run_training(
+            cfg,
+            run_dir=Path(run_dir) if run_dir else None,
+            resume=Path(resume) if resume else None,
+            report=report_after_training,
+        )
     except TrainingStopped as err:
         if main:  # every rank stops for the same reason: say it once
-            report_after_training(err.run_dir, err.reason)
             click.echo(f"stopped: {err}", err=True)
         raise click.exceptions.Exit(err.exit_code) from None
-    if main:
-        report_after_training(done["run_dir"], done.get("stopped"))
 
 
 @click.group("config")

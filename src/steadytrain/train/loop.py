@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +52,7 @@ from steadytrain.train.spikes import SpikeGuard
 from steadytrain.train.state import TrainState
 from steadytrain.train.stop import StopRequest
 from steadytrain.train.throughput import for_run
+from steadytrain.train.trackers import end_run, start_trackers
 
 __all__ = ["Interrupted", "TrainingStopped", "train"]
 
@@ -58,26 +60,40 @@ log = logging.getLogger("steadytrain.train")
 
 
 def train(
-    cfg: TrainConfig, *, run_dir: Path | None = None, resume: Path | None = None, stop_after: int | None = None
+    cfg: TrainConfig,
+    *,
+    run_dir: Path | None = None,
+    resume: Path | None = None,
+    stop_after: int | None = None,
+    report: Callable[[str, str | None], Any] | None = None,
 ) -> dict[str, Any]:
     """Run the job ``cfg`` describes (or continue ``resume``); returns the summary's numbers.
 
     ``stop_after`` ends the run after that many optimizer steps while the LR schedule still spans the
-    planned total, so the steps taken are exactly the first steps of the full run.
+    planned total, so the steps taken are exactly the first steps of the full run. ``report`` is called
+    on rank 0 with the run directory and why it stopped (None: it finished) when the run has ended, before
+    its experiment trackers close: ``steadytrain train`` draws the plots there, so they reach the trackers.
     """
     info = init_distributed(cfg.distributed.backend)
-    job = None
+    job, ending = None, None
     try:
         job = _build(cfg, info, run_dir, resume)
         job.stop_after = stop_after
         with StopRequest(info) as job.stop:
-            return _run(job)
+            summary = _run(job)
+        ending = (summary.get("stopped"), "FINISHED")
+        return summary
+    except TrainingStopped as err:
+        ending = (err.reason, "KILLED" if isinstance(err, Interrupted) else "FAILED")
+        raise
     finally:
         if job is not None:
             job.writer.close()  # a save still in flight (the run failed) completes first
             if job.lock is not None:
                 job.lock.release()
         teardown(info)
+        if job is not None and job.metrics is not None and info.is_main:
+            end_run(job.metrics.trackers, job.run, ending, report)  # ending None: it crashed (no report)
 
 
 def _build(cfg: TrainConfig, info: DistInfo, run_dir: Path | None, resume: Path | None) -> Job:
@@ -158,6 +174,7 @@ def _run(job: Job) -> dict[str, Any]:
         progress=progress,
         spikes=job.spikes if job.spikes.collects else None,
         throughput=meter,
+        trackers=start_trackers(job.run, job.cfg, job.info, step=job.state.step),
     )
     runfiles.log_start(job)
     sp = job.cfg.spike

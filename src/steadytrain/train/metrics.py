@@ -3,8 +3,8 @@
 Each optimizer step adds its loss (a device tensor: no host sync) and the accumulator's step
 result (whose norm was already read in the step's one host sync). Every ``log_every`` steps the
 interval's losses are averaged over ranks in one all-reduce and read in one host sync; rank 0
-appends one ``metrics.jsonl`` line per step (one write and fsync per interval), mirrors them to
-TensorBoard when it is installed, and updates the progress display.
+appends one ``metrics.jsonl`` line per step (one write and fsync per interval), then mirrors the same rows
+to the run's experiment trackers (:mod:`~steadytrain.train.trackers`), and updates the progress display.
 """
 
 from __future__ import annotations
@@ -61,19 +61,12 @@ class MetricsLog:
     last: dict[str, Any] = field(default_factory=dict)
     spikes: Any = None
     """A ``warn`` :class:`~steadytrain.train.spikes.SpikeGuard`: judges the interval's losses, read with them."""
-    _tb: Any = None
+    trackers: Any = None
+    """The run's :class:`~steadytrain.train.trackers.Trackers` (rank 0): each row written goes to them too, after it
+    is on disk. The job finishes them after the run's report."""
     throughput: Any = None
     """A :class:`~steadytrain.train.throughput.Throughput`: rows get ``tokens_per_s``, ``flops_per_s``, ``mfu`` (the
     known ones, from ``items_per_s``) and ``peak_mem_mb`` (read once per flush: no device sync)."""
-
-    def __post_init__(self) -> None:
-        if self.info.is_main:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:  # optional extra: steadytrain[tensorboard]
-                self._tb = None
-            else:
-                self._tb = SummaryWriter(str(self.run.path / "tensorboard"))
 
     def add(
         self, step: int, loss: torch.Tensor, lr: float, grad_norm: float, skipped: bool, spike: bool = False
@@ -87,9 +80,8 @@ class MetricsLog:
         if not self.info.is_main:
             return
         append_jsonl(self.run.metrics, row)
-        if self._tb is not None and row["val_loss"] is not None:
-            self._tb.add_scalar("eval/loss", row["val_loss"], row["step"])
-            self._tb.flush()
+        if self.trackers is not None:
+            self.trackers.log_rows([row])
         loss = "not finite" if row["val_loss"] is None else f"{row['val_loss']:.4f}"
         log.info("step %d/%d  val_loss %s over %d examples", row["step"], self.total_steps, loss, row["val_items"])
 
@@ -124,7 +116,8 @@ class MetricsLog:
         self.last = rows[-1]
         if self.info.is_main:
             append_jsonl(self.run.metrics, *rows)
-            self._to_tensorboard(rows)
+            if self.trackers is not None:
+                self.trackers.log_rows(rows)
             if self.progress is not None:
                 self.progress.update(rows[-1], self.total_steps)
         return rows
@@ -146,18 +139,8 @@ class MetricsLog:
             row |= self.throughput.fields(row["items_per_s"])
         return row | {"spike": True} if p.spike else row
 
-    def _to_tensorboard(self, rows: list[dict[str, Any]]) -> None:
-        if self._tb is None:
-            return
-        for row in rows:
-            for key in ("loss", "lr", "grad_norm", "items_per_s", "tokens_per_s", "mfu", "peak_mem_mb"):
-                if row.get(key) is not None:
-                    self._tb.add_scalar(f"train/{key}", row[key], row["step"])
-        self._tb.flush()
-
     def close(self) -> None:
-        if self._tb is not None:
-            self._tb.close()
+        """Nothing to release here: the trackers stay open until the job has written the run's report."""
 
 
 class Progress:
