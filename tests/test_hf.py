@@ -87,23 +87,9 @@ def test_gpt2_trains_with_falling_loss(trained):
 
 
 def test_export_loads_with_from_pretrained_and_gives_the_runs_logits(trained, tmp_path):
+    assert_exports_agree(trained, tmp_path)
     out = tmp_path / "hf-model"
-    proc = run_cli("export", str(trained), "--format", "hf", "--out", str(out))
-    assert proc.returncode == 0, proc.stderr
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
-    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(out), local_files_only=True).eval()
-    # the run's own model: its checkpoint's tensors (the plain export) in a freshly built adapter
-    flat = tmp_path / "model.safetensors"
-    assert run_cli("export", str(trained), "--out", str(flat)).returncode == 0
-    ours = build_hf("hf:gpt2", dict(GPT2), {"seq_len": 32})
-    ours.load_state_dict(load_file(str(flat)), strict=True)
-    ours.eval()
-    batch = tokens(seed=3)[:, :-1]
-    with torch.no_grad():
-        torch.testing.assert_close(loaded(input_ids=batch).logits, ours.logits(batch), rtol=0, atol=0)
-    fresh = build_hf("hf:gpt2", dict(GPT2), {"seq_len": 32}).eval()
-    with torch.no_grad():
-        assert not torch.allclose(fresh.logits(batch), ours.logits(batch))  # the export is the trained model
     again = run_cli("export", str(trained), "--format", "hf", "--out", str(out))  # an earlier export is replaced
     assert again.returncode == 0, again.stderr
 
@@ -134,6 +120,25 @@ def test_two_ranks_equal_one_rank(tmp_path, text_data, one_rank, strategy):
     out = wait(torchrun("--standalone", "--nproc-per-node", "2", args=args))
     assert "micro 4 x accumulation 2 x world 2" in out
     assert_same_losses(run_dir, one_rank, rtol=1e-4)
+    assert_exports_agree(run_dir, tmp_path)  # a sharded checkpoint (fsdp) is gathered into one model
+
+
+def assert_exports_agree(run_dir: Path, tmp_path: Path) -> None:
+    """``export --format hf`` loads with ``from_pretrained`` and gives the logits of the run's checkpoint (its
+    plain export) loaded into a freshly built model."""
+    out, flat = tmp_path / "hf-model", tmp_path / "model.safetensors"
+    proc = run_cli("export", str(run_dir), "--format", "hf", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert run_cli("export", str(run_dir), "--out", str(flat)).returncode == 0
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(out), local_files_only=True).eval()
+    ours = build_hf("hf:gpt2", dict(GPT2), {"seq_len": 32})
+    ours.load_state_dict(load_file(str(flat)), strict=True)
+    ours.eval()
+    batch = tokens(seed=3)[:, :-1]
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=batch).logits, ours.logits(batch), rtol=0, atol=0)
+        fresh = build_hf("hf:gpt2", dict(GPT2), {"seq_len": 32}).eval()
+        assert not torch.allclose(fresh.logits(batch), ours.logits(batch))  # the export is the trained model
 
 
 def test_fsdp_shards_each_decoder_layer(tmp_path):
