@@ -235,6 +235,23 @@ def test_summary_and_plots_are_artifacts_in_every_store(tracked):
     assert "summary.md/text_summary" in acc.Tags()["tensors"]
 
 
+def test_an_mlflow_file_store_receives_every_row(tmp_path, data, monkeypatch):
+    """``run.mlflow_uri: file:...`` (MLflow 3 refuses file stores unless allowed: steadytrain allows it for the run)."""
+    store = tmp_path / "mlruns"
+    items = _items(
+        data, "run.max_steps=4", "eval.every_steps=2", "run.trackers=[mlflow]", f"run.mlflow_uri=file://{store}"
+    )
+    _train(tmp_path / "run", items)
+    rows = _rows(tmp_path / "run")
+    state = json.loads((tmp_path / "run" / "trackers.json").read_text())
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # this process reads the store back
+    got = _mlflow_metrics(MlflowClient(f"file://{store}"), state["mlflow"]["run_id"])
+    expected = _expected(rows)
+    assert got.keys() == expected.keys() and "val_loss" in got
+    for key, pairs in expected.items():
+        _close(got[key], pairs, 1e-12, what=key)
+
+
 def test_a_tracker_that_fails_is_one_warning_and_the_run_completes(tmp_path, data):
     with socket.socket() as s:  # a port on 127.0.0.1 nobody serves
         s.bind(("127.0.0.1", 0))
