@@ -88,6 +88,9 @@ def test_gpt2_trains_with_falling_loss(trained):
 
 def test_export_loads_with_from_pretrained_and_gives_the_runs_logits(trained, tmp_path):
     assert_exports_agree(trained, tmp_path)
+    nested = tmp_path / "exported" / "gpt2-tiny"  # the README's example: its parent is new too
+    assert run_cli("export", str(trained), "--format", "hf", "--out", str(nested)).returncode == 0
+    assert (nested / "config.json").is_file()
     out = tmp_path / "hf-model"
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
     again = run_cli("export", str(trained), "--format", "hf", "--out", str(out))  # an earlier export is replaced
@@ -103,6 +106,8 @@ def test_export_refuses_what_it_cannot_write(trained, tmp_path, text_data):
     a_file = tmp_path / "f"
     a_file.write_text("x")
     assert_user_error(run_cli("export", str(trained), "--format", "hf", "--out", str(a_file)), "a file")
+    below = a_file / "model"
+    assert_user_error(run_cli("export", str(trained), "--format", "hf", "--out", str(below)), "a file")
     plain = tmp_path / "plain"
     args = sets("model.dim=32", "model.layers=1", "model.heads=2", "data.seq_len=32", "run.max_steps=2")
     assert run_cli("train", "--run-dir", str(plain), *args, f"--set=data.path={text_data}").returncode == 0

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from steadytrain._io import read_text, write_atomic, write_text_atomic
+from steadytrain._io import ensure_dir, read_text, write_atomic, write_text_atomic
 from steadytrain.errors import UserError
 from steadytrain.train.checkpoint import checkpoint_at, is_legacy, load_checkpoint
 from steadytrain.train.ckptfiles import TENSOR, full_tensors, read_state, tensor_shapes, write_safetensors
@@ -76,8 +76,6 @@ def _hf_out(out: Path) -> None:
         raise UserError(f"--out {out}: a file; --format hf writes a directory (config.json, model.safetensors)")
     if out.is_dir() and (others := sorted(p.name for p in out.iterdir() if p.name not in HF_FILES)):
         raise UserError(f"--out {out}: holds other files ({', '.join(others[:3])}); give a new or empty directory")
-    if not out.parent.is_dir():
-        raise UserError(f"--out {out}: the directory {out.parent} does not exist")
 
 
 def export_hf(run_dir: str | Path, out: str | Path, *, step: int | None = None) -> dict[str, Any]:
@@ -97,7 +95,7 @@ def export_hf(run_dir: str | Path, out: str | Path, *, step: int | None = None) 
         raise UserError(f"{path}: its model state is not an hf: model's (keys {', '.join(sorted(shapes)[:3])})")
     shapes = {k.removeprefix("hf."): v for k, v in shapes.items()}
     renamed = ((k.removeprefix("hf."), t) for k, t in tensors)
-    out.mkdir(exist_ok=True)
+    ensure_dir(out, "--out")  # parents too: a new directory for the model
     meta = {"format": "pt", "step": str(saved_step), "run": run.path.name}
     written: dict[str, int] = {}
 
