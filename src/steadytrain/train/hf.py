@@ -31,6 +31,8 @@ from steadytrain.errors import UserError
 __all__ = ["CONFIG_FILE", "PREFIX", "HFCausalLM", "build_hf", "hf_config_json", "is_hf"]
 
 PREFIX = "hf:"
+BYTES = 256
+"""The vocabulary of data without a tokenizer in its provenance (bytes), as tiny-lm assumes too."""
 CONFIG_FILE = "hf_config.json"
 """The HF model's ``config.json``, kept in the run directory (``export --format hf`` writes it out)."""
 
@@ -117,10 +119,11 @@ def _check_keys(name: str, config_class: Any, kwargs: dict[str, Any]) -> None:
             )
 
 
-def _config(tf: Any, name: str, target: str, kwargs: dict[str, Any], context: dict[str, Any]) -> Any:
-    """The model's config: from a local directory's ``config.json``, or a fresh one for a model type."""
-    where = Path(target).expanduser()
-    if where.is_dir():
+def _config(
+    tf: Any, name: str, target: str, where: Path | None, kwargs: dict[str, Any], context: dict[str, Any]
+) -> Any:
+    """The model's config: from a local directory's ``config.json`` (``where``), or a fresh one for a model type."""
+    if where is not None:
         if not (where / "config.json").is_file():
             raise UserError(f"model.name={name!r}: {where} has no config.json (save the model with save_pretrained)")
         try:
@@ -140,7 +143,7 @@ def _config(tf: Any, name: str, target: str, kwargs: dict[str, Any], context: di
             "steadytrain never downloads: save the model with save_pretrained and give hf:<its directory>"
         )
     _check_keys(name, types[target], kwargs)
-    settings = {"vocab_size": context.get("vocab_size", 256), **kwargs}
+    settings = {"vocab_size": context.get("vocab_size", BYTES), **kwargs}
     config = tf.AutoConfig.for_model(target, **settings)
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):  # gpt2's 50256 is outside a smaller vocabulary
         value = getattr(config, key, None)
@@ -151,7 +154,7 @@ def _config(tf: Any, name: str, target: str, kwargs: dict[str, Any], context: di
 
 def _check_fits(name: str, config: Any, context: dict[str, Any]) -> None:
     """A model smaller than its data fails inside the first forward (an index error): refuse it here."""
-    vocab, seq_len = context.get("vocab_size", 256), context.get("seq_len")
+    vocab, seq_len = context.get("vocab_size", BYTES), context.get("seq_len")
     if getattr(config, "vocab_size", None) is not None and config.vocab_size < vocab:
         raise UserError(
             f"model {name}: vocab_size={config.vocab_size} is smaller than the data's vocabulary ({vocab}): "
@@ -174,20 +177,20 @@ def build_hf(name: str, kwargs: dict[str, Any], context: dict[str, Any]) -> HFCa
     target = name[len(PREFIX) :]
     if not target:
         raise UserError("model.name='hf:' names no model: give hf:<model_type> (e.g. hf:gpt2) or hf:<directory>")
+    where = Path(target).expanduser()
+    where = where if where.is_dir() else None
     try:
-        config = _config(tf, name, target, kwargs, context)
+        config = _config(tf, name, target, where, kwargs, context)
     except UserError:
         raise
     except Exception as err:  # a setting of the wrong type (transformers' configs check them)
         raise UserError(f"model.name={name!r}: transformers refused the model section: {error_text(err)}") from None
     _check_fits(name, config, context)
-    fresh = not Path(target).expanduser().is_dir() or torch.empty(0).device.type == "meta"
     try:
-        if fresh:
+        if where is None or torch.empty(0).device.type == "meta":  # fresh weights (on meta: only the shapes)
             model = tf.AutoModelForCausalLM.from_config(config)
         else:
-            where = str(Path(target).expanduser())
-            model = tf.AutoModelForCausalLM.from_pretrained(where, config=config, local_files_only=True)
+            model = tf.AutoModelForCausalLM.from_pretrained(str(where), config=config, local_files_only=True)
     except UserError:
         raise
     except Exception as err:  # not a causal LM (hf:bert), a config the model refuses, unreadable weights
