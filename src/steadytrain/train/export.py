@@ -64,11 +64,20 @@ def export_model(run_dir: str | Path, out: str | Path, *, step: int | None = Non
     shapes, tensors, saved_step, others = _model_tensors(path)
     if others:
         raise UserError(f"{path}: the model state holds non-tensor entries ({', '.join(others[:3])}): not exportable")
-    meta = {"format": "pt", "step": str(saved_step), "run": run.path.name}
-    written = {}
-    write_atomic(out, lambda f: written.setdefault("bytes", write_safetensors(f, shapes, tensors, meta)))
-    log.info("exported %d tensors (%d bytes) of step %d to %s", len(shapes), written["bytes"], saved_step, out)
-    return {"out": str(out), "step": saved_step, "tensors": len(shapes), "bytes": written["bytes"]}
+    return _write(out, shapes, tensors, saved_step, run.path.name)
+
+
+def _write(out: Path, shapes: dict[str, Any], tensors: Iterator, step: int, run: str, to: str = "") -> dict[str, Any]:
+    """``out``: the safetensors file of ``tensors`` (streamed, written aside and renamed); what was written."""
+    meta = {"format": "pt", "step": str(step), "run": run}
+    written: dict[str, int] = {}
+
+    def write(f: Any) -> None:
+        written["bytes"] = write_safetensors(f, shapes, tensors, meta)
+
+    write_atomic(out, write)
+    log.info("exported %d tensors (%d bytes) of step %d to %s%s", len(shapes), written["bytes"], step, out, to)
+    return {"out": str(out), "step": step, "tensors": len(shapes), "bytes": written["bytes"]}
 
 
 def _hf_out(out: Path) -> None:
@@ -96,13 +105,6 @@ def export_hf(run_dir: str | Path, out: str | Path, *, step: int | None = None) 
     shapes = {k.removeprefix("hf."): v for k, v in shapes.items()}
     renamed = ((k.removeprefix("hf."), t) for k, t in tensors)
     ensure_dir(out, "--out")  # parents too: a new directory for the model
-    meta = {"format": "pt", "step": str(saved_step), "run": run.path.name}
-    written: dict[str, int] = {}
-
-    def write(f: Any) -> None:
-        written["bytes"] = write_safetensors(f, shapes, renamed, meta)
-
-    write_atomic(out / "model.safetensors", write)
+    done = _write(out / "model.safetensors", shapes, renamed, saved_step, run.path.name, " (hf)")
     write_text_atomic(out / "config.json", config)  # last: only a complete export has one
-    log.info("exported %d tensors (%d bytes) of step %d to %s (hf)", len(shapes), written["bytes"], saved_step, out)
-    return {"out": str(out), "step": saved_step, "tensors": len(shapes), "bytes": written["bytes"]}
+    return {**done, "out": str(out)}
