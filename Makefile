@@ -40,7 +40,7 @@ bench: $(STAMP)
 
 # docs/reference/*.md, generated from the config models and the click commands (tests/test_docs.py checks them).
 docs: $(STAMP)
-	$(BIN)/python -m steadytrain._docgen docs/reference
+	$(BIN)/python -m steadytrain.cli.docgen docs/reference
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache .ruff_cache

@@ -9,8 +9,7 @@ from pathlib import Path
 import click
 import pytest
 
-from steadytrain import _docgen
-from steadytrain.cli import cli
+from steadytrain.cli import cli, docgen
 from steadytrain.train.config import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,7 +53,7 @@ def _section(page: str, heading: str) -> str:
 
 @pytest.mark.parametrize("name", ["config.md", "cli.md"])
 def test_checked_in_reference_is_current(tmp_path, name):
-    _docgen.write_pages(tmp_path)
+    docgen.write_pages(tmp_path)
     fresh = (tmp_path / name).read_text(encoding="utf-8")
     checked_in = REFERENCE / name
     assert checked_in.is_file(), f"docs/reference/{name} is missing: run `make docs` and commit it"
@@ -66,26 +65,26 @@ def test_checked_in_reference_is_current(tmp_path, name):
 def test_every_config_key_is_documented():
     schema = TrainConfig.model_json_schema(by_alias=True)
     expected = _schema_keys(schema, schema)
-    generated = [k.key for k in _docgen.config_keys()]
+    generated = [k.key for k in docgen.config_keys()]
     assert len(generated) == len(set(generated))
     assert set(generated) == expected
-    page = _docgen.render_config()
+    page = docgen.render_config()
     missing = sorted(k for k in expected if f"| `{k}` |" not in page)
     assert not missing, f"config.md lacks {missing}"
 
 
 def test_config_keys_are_written_as_a_user_writes_them():
-    keys = {k.key: k for k in _docgen.config_keys()}
+    keys = {k.key: k for k in docgen.config_keys()}
     assert "data.schema" in keys and "checkpoint.async" in keys
     assert not {"data.schema_file", "checkpoint.async_"} & keys.keys()
     assert keys["batch.micro_batch_size"].default == "`16`"
     assert keys["run.profile.start_step"].default == "required"
     assert "2" in keys["eval.holdout_shards"].default  # the embedded default run's value, beside the field's
-    assert "Open section" in _docgen.render_config().split("## `data`")[0]  # model: the factory's keyword args
+    assert "Open section" in docgen.render_config().split("## `data`")[0]  # model: the factory's keyword args
 
 
 def test_every_command_and_option_is_documented():
-    page = _docgen.render_cli()
+    page = docgen.render_cli()
     commands = _commands(cli, click.Context(cli, info_name="steadytrain"), "steadytrain")
     assert {"steadytrain train", "steadytrain data ingest", "steadytrain env capture", "steadytrain nan hunt"} <= set(
         commands
@@ -101,14 +100,14 @@ def test_every_command_and_option_is_documented():
 
 
 def test_reference_holds_no_machine_values():
-    for text in _docgen.render_pages().values():
+    for text in docgen.render_pages().values():
         assert str(ROOT) not in text and str(Path.home()) not in text
         assert str(Path.cwd()) not in text
 
 
 def test_normalize_shortens_paths():
-    assert _docgen._normalize(f"{Path.home()}/.cache/x") == "~/.cache/x"
-    assert _docgen._value(None) == "null" and _docgen._value((0.9, 0.95)) == "[0.9, 0.95]"
+    assert docgen._normalize(f"{Path.home()}/.cache/x") == "~/.cache/x"
+    assert docgen._value(None) == "null" and docgen._value((0.9, 0.95)) == "[0.9, 0.95]"
 
 
 PAGES = ["README.md", *sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").rglob("*.md"))]
@@ -135,4 +134,4 @@ def test_relative_links_resolve(page):
 def _anchors(page: Path) -> set[str]:
     """GitHub's anchors of a Markdown page's headings (outside code blocks)."""
     text = re.sub(r"```.*?```", "", page.read_text(encoding="utf-8"), flags=re.S)
-    return {_docgen._anchor(h.replace("`", "")) for h in re.findall(r"^#+ (.+)$", text, flags=re.M)}
+    return {docgen._anchor(h.replace("`", "")) for h in re.findall(r"^#+ (.+)$", text, flags=re.M)}

@@ -383,10 +383,10 @@ def write_pages(out_dir: str | Path) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m steadytrain._docgen OUT_DIR`` (``make docs``: ``docs/reference``)."""
+    """``python -m steadytrain.cli.docgen OUT_DIR`` (``make docs``: ``docs/reference``)."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        sys.stderr.write("usage: python -m steadytrain._docgen OUT_DIR (e.g. docs/reference)\n")
+        sys.stderr.write("usage: python -m steadytrain.cli.docgen OUT_DIR (e.g. docs/reference)\n")
         return 2
     for path in write_pages(args[0]):
         sys.stderr.write(f"wrote {path}\n")
