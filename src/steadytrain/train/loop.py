@@ -192,8 +192,7 @@ def _run(job: Job) -> dict[str, Any]:
         stopped = _steps(job, profiler)
     finally:
         profiler.close()
-        job.metrics.flush()
-        job.metrics.close()
+        job.metrics.flush()  # the trackers stay open until the run's report is written (end_run)
         if progress is not None:
             progress.close()
     _checkpoint(job)

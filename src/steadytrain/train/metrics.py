@@ -139,9 +139,6 @@ class MetricsLog:
             row |= self.throughput.fields(row["items_per_s"])
         return row | {"spike": True} if p.spike else row
 
-    def close(self) -> None:
-        """Nothing to release here: the trackers stay open until the job has written the run's report."""
-
 
 class Progress:
     """A live progress line on a terminal; plain log lines otherwise (CI, files, pipes)."""
