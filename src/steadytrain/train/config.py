@@ -142,11 +142,14 @@ class OptimConfig(_Section):
     name: Literal["adamw", "sgd", "lars", "lamb"] = "adamw"
     """The optimizer."""
     weight_decay: float = Field(default=0.01, ge=0, allow_inf_nan=False)
+    """Weight decay of every parameter not in ``no_decay`` (decoupled for AdamW and LAMB; an L2 term in the
+    gradient for SGD and LARS)."""
     betas: tuple[Beta, Beta] = (0.9, 0.95)
     """Adam-type moment decays."""
     momentum: float = Field(default=0.9, ge=0, lt=1)
     """SGD/LARS momentum."""
     eps: float = Field(default=1e-8, gt=0, allow_inf_nan=False)
+    """Adam-type denominator epsilon (AdamW, LAMB)."""
     fused: bool | None = None
     """Use the fused kernel (None: when available for the device and optimizer)."""
     no_decay: list[Literal["bias", "norm"]] = ["bias", "norm"]
@@ -213,6 +216,7 @@ class EnvConfig(_Section):
     contract: str | None = None
     """A reproducibility contract checked on every rank at start."""
     on_violation: Literal["fail", "warn"] = "fail"
+    """What a broken ``contract`` does at start: ``fail`` (exit 2 before any step) or ``warn`` and go on."""
 
 
 class CheckpointConfig(_Section):
@@ -265,11 +269,13 @@ class RunConfig(_Section):
     dir: str = "runs"
     """Where run directories go."""
     seed: int = Field(default=0, ge=0, lt=2**63)
+    """Seeds the initial weights, the data order and the held-out shards (the same on every rank)."""
     deterministic: bool = False
     """Deterministic algorithms (slower; what ``repro`` uses)."""
     max_steps: int | None = Field(default=200, ge=1, le=MAX_COUNT)
     """Stop after this many optimizer steps (None: ``epochs`` decides)."""
     epochs: int = Field(default=1, ge=1)
+    """Passes over the data when ``max_steps`` is None."""
     log_every: int = Field(default=10, ge=1)
     """Optimizer steps between log lines (and host reads of the metrics)."""
     peak_flops: float | None = Field(default=None, gt=0, allow_inf_nan=False)
