@@ -71,3 +71,37 @@ def test_concat_joins_the_pieces_of_one_micro_batch():
     ref = to_columns(window(7))
     assert torch.equal(whole["x"], ref["x"]) and torch.equal(whole["tokens"], ref["tokens"])
     assert whole["s"] == ref["s"]
+
+
+def _text_columns() -> dict[str, pa.ChunkedArray]:
+    rng = np.random.default_rng(3)
+    cats = np.array(["a", "b'\n\"", "ünï", ""])  # quotes, newlines, non-ASCII and the empty string
+    few = cats[rng.integers(0, 4, 6000)]
+    with_null = few.tolist()
+    with_null[4321] = None
+    return {
+        "categories": pa.chunked_array([pa.array(few[:2500]), pa.array(few[2500:])]),
+        "categories, one null": pa.chunked_array([pa.array(with_null)]),
+        "large_string": pa.chunked_array([pa.array(few, type=pa.large_string())]),
+        "unique": pa.chunked_array([pa.array([f"doc {i}" for i in range(6000)])]),
+        "mostly one value, then unique": pa.chunked_array([pa.array(["x"] * 5000 + [f"u{i}" for i in range(1000)])]),
+        "dictionaries differ per chunk": pa.chunked_array(
+            [pa.array(few[:3000]).dictionary_encode(), pa.array(few[3000:][::-1]).dictionary_encode()]
+        ),
+        "dictionary of lists": pa.chunked_array(
+            [pa.DictionaryArray.from_arrays(pa.array([0, 1, 0] * 2000, pa.int8()), pa.array([[1, 2], [3]]))]
+        ),
+        "dictionary with a null": pa.chunked_array(
+            [pa.DictionaryArray.from_arrays(pa.array([0, None, 1] * 2000, pa.int8()), pa.array([[1, 2], [3]]))]
+        ),
+    }
+
+
+@pytest.mark.parametrize("name", list(_text_columns()))
+def test_text_and_dictionary_columns_are_the_python_values(name):
+    col = _text_columns()[name]
+    got = to_columns(pa.table({"c": col}))["c"]
+    ref = col.to_pylist()  # pyarrow decodes dictionaries itself
+    assert isinstance(got, list) and got == ref
+    got[0] = "changed"  # each micro-batch's list is its own
+    assert to_columns(pa.table({"c": col}))["c"] == ref
