@@ -105,3 +105,11 @@ def test_text_and_dictionary_columns_are_the_python_values(name):
     assert isinstance(got, list) and got == ref
     got[0] = "changed"  # each micro-batch's list is its own
     assert to_columns(pa.table({"c": col}))["c"] == ref
+
+
+def test_dictionary_encoded_numbers_stay_a_tensor():
+    values = np.array([0.5, -2.0, 0.5, 7.0] * 3)
+    col = pa.chunked_array([pa.array(values[:5]).dictionary_encode(), pa.array(values[5:]).dictionary_encode()])
+    x = to_columns(pa.table({"x": col}))["x"]
+    assert isinstance(x, torch.Tensor) and x.dtype == torch.float64
+    np.testing.assert_array_equal(x.numpy(), values)

@@ -47,6 +47,8 @@ def _owned(chunks: list[pa.Array], type_: pa.DataType) -> np.ndarray:
 def _convert(col: pa.ChunkedArray | pa.Array) -> np.ndarray | list:
     chunks = col.chunks if isinstance(col, pa.ChunkedArray) else [col]
     t = col.type
+    if pa.types.is_dictionary(t) and _is_numeric(t.value_type):
+        return _convert(col.cast(t.value_type))  # dictionary-encoded numbers are numbers: a tensor
     if _is_numeric(t):
         return _owned(chunks, t)
     if pa.types.is_fixed_size_list(t) and col.null_count == 0 and _is_numeric(t.value_type):
@@ -107,13 +109,13 @@ def split_columns(cols: dict[str, Any], sizes: list[int]) -> Iterator[dict[str, 
     for g in range(0, len(sizes), _GROUP):
         group = sizes[g : g + _GROUP]
         total = sum(group)
+        bounds = list(itertools.pairwise(itertools.accumulate(group, initial=start)))
         cut: dict[str, Any] = {}
         for name, col in cols.items():
             if isinstance(col, torch.Tensor):
                 cut[name] = col.narrow(0, start, total).split(group)
             else:
-                offsets = np.cumsum([start, *group]).tolist()
-                cut[name] = [col[a:b] for a, b in itertools.pairwise(offsets)]
+                cut[name] = [col[a:b] for a, b in bounds]
         for i in range(len(group)):
             yield {name: pieces[i] for name, pieces in cut.items()}
         start += total
