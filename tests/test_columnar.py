@@ -113,3 +113,40 @@ def test_dictionary_encoded_numbers_stay_a_tensor():
     x = to_columns(pa.table({"x": col}))["x"]
     assert isinstance(x, torch.Tensor) and x.dtype == torch.float64
     np.testing.assert_array_equal(x.numpy(), values)
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_reader_and_workers_give_each_row_its_stored_values(tmp_path, shuffle):
+    """Through ``BatchedDataset`` and two loader workers (pickled hand-off): every row of every micro-batch
+    is the row its (shard, index) names in the Parquet file, read back with pyarrow."""
+    from steadytrain.data import BatchedDataset, DatasetWriter, open_dataset
+    from steadytrain.data.loader import MicroBatchLoader
+
+    rng = np.random.default_rng(11)
+    cats = np.array(["cat", 'say "hi"', "two\nlines", "ünï"])
+    with DatasetWriter(tmp_path, provenance={"pipeline_version": "1"}) as w:
+        for _ in range(2):
+            n = 4500
+            w.write_shard(
+                pa.table(
+                    {
+                        "label": cats[rng.integers(0, 4, n)],
+                        "level": pa.array(rng.integers(0, 3, n) * 1.5).dictionary_encode(),
+                        "x": rng.standard_normal(n),
+                        "text": [f"doc {i}" for i in range(n)],
+                    }
+                )
+            )
+    ds = open_dataset(tmp_path)
+    stored = {s.id: ds.read_shard(s.id).to_pydict() for s in ds.shards}
+    for workers in (0, 2):
+        reader = BatchedDataset(tmp_path, batch_size=256, accumulation_steps=2, seed=3, shuffle=shuffle)
+        rows = 0
+        for mb in MicroBatchLoader(reader, num_workers=workers, prefetch=2):
+            assert isinstance(mb["label"], list) and mb["level"].dtype == torch.float64
+            for j, (s, i) in enumerate(zip(mb["shard"].tolist(), mb["index"].tolist(), strict=True)):
+                ref = stored[s]
+                assert mb["label"][j] == ref["label"][i] and mb["text"][j] == ref["text"][i]
+                assert mb["x"][j].item() == ref["x"][i] and mb["level"][j].item() == ref["level"][i]
+            rows += len(mb["label"])
+        assert rows == reader.steps_per_epoch * reader.global_batch_size > 8000
