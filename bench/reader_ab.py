@@ -13,12 +13,11 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
+import types
 from pathlib import Path
 
 import steadytrain.data.batched as batched
@@ -28,16 +27,13 @@ sys.path.insert(0, str(Path(__file__).parent))
 import data as bench_data  # bench/data.py
 
 
-def columnar_at(commit: str):
-    """``steadytrain.data.columnar`` as it was at ``commit``, loaded under another name."""
+def columnar_at(commit: str) -> types.ModuleType:
+    """``steadytrain.data.columnar`` as it was at ``commit``, loaded under another name (no file written)."""
     src = subprocess.run(
         ["git", "show", f"{commit}:src/steadytrain/data/columnar.py"], capture_output=True, text=True, check=True
     ).stdout
-    path = Path(tempfile.mkdtemp()) / "columnar_before.py"
-    path.write_text(src)
-    spec = importlib.util.spec_from_file_location("columnar_before", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = types.ModuleType("columnar_before")
+    exec(compile(src, f"{commit}:columnar.py", "exec"), module.__dict__)
     return module
 
 
