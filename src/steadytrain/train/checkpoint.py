@@ -40,15 +40,19 @@ from steadytrain.train.ckptfiles import (
     read_state,
     split_state,
     tensor_shapes,
+    to_json,
 )
+from steadytrain.train.ckptschema import check_state
 
 __all__ = [
+    "check_latest",
     "checkpoint_at",
     "is_legacy",
     "latest_checkpoint",
     "list_checkpoints",
     "load_checkpoint",
     "restore",
+    "state_file",
 ]
 
 _NAME = re.compile(r"^step-(\d{8})(\.pt)?$")
@@ -77,6 +81,17 @@ def latest_checkpoint(ckpt_dir: Path, before_step: int | None = None) -> Path | 
     return found[-1] if found else None
 
 
+def check_latest(ckpt_dir: Path) -> None:
+    """Read the newest checkpoint's ``state.json`` with its checks (a UserError naming it and the key), before a
+    resume changes anything in the run directory."""
+    path = latest_checkpoint(ckpt_dir)
+    if path is not None and not is_legacy(path):
+        try:
+            read_state(path)
+        except UserError as err:
+            raise UserError(f"{err}{_older(path)}") from None
+
+
 def checkpoint_at(ckpt_dir: Path, step: int | None) -> Path:
     """The checkpoint of ``step`` (None: the latest), or a UserError saying which steps there are."""
     found = dict(list_checkpoints(ckpt_dir))
@@ -102,6 +117,11 @@ def _older(path: Path) -> str:
     return f"; move it away to resume from {before[-1].name}" if before else ""
 
 
+def state_file(path: Path) -> str:
+    """Where checkpoint ``path`` keeps its train state, for messages: its ``state.json`` (a legacy file: itself)."""
+    return str(path if is_legacy(path) else Path(path) / "state.json")
+
+
 def _load_legacy(path: Path) -> dict[str, Any]:
     try:
         with warnings.catch_warnings():  # torch's notes on the pickle protocol: the error below says it all
@@ -118,7 +138,10 @@ def _load_legacy(path: Path) -> dict[str, Any]:
     if not isinstance(state, dict) or not {"step", "model", "optimizer"} <= set(state):
         raise UserError(f"{path}: not a steadytrain checkpoint (no step/model/optimizer)")
     train = {k: state[k] for k in _TRAIN_KEYS if k in state} | {"step": state["step"]}
-    return state | {"train": train, "world_size": state.get("world_size")}
+    world = state.get("world_size")
+    check_state({"step": state["step"], "world_size": 1 if world is None else world, "train": to_json(train, "train"),
+                 "model": {}, "optimizer": {}}, str(path))  # fmt: skip
+    return state | {"train": train, "world_size": world}
 
 
 def _check(path: Path) -> None:

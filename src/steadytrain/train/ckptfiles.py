@@ -16,6 +16,7 @@ file that is anything else is refused with one line naming it.
 from __future__ import annotations
 
 import json
+import math
 import random
 import struct
 import warnings
@@ -29,6 +30,7 @@ import torch
 from steadytrain._io import write_atomic
 from steadytrain._text import brief, error_text
 from steadytrain.errors import UserError
+from steadytrain.train.ckptschema import check_state
 
 __all__ = [
     "FORMAT",
@@ -152,12 +154,15 @@ def _load_json(path: Path) -> Any:
         return json.loads(path.read_bytes())
     except FileNotFoundError:
         raise UserError(f"{path}: missing: the checkpoint is incomplete") from None
+    except RecursionError:  # json's parser recurses: 100,000 nested brackets are an attack or damage
+        raise UserError(f"{path}: nests too deep to be a file steadytrain wrote (damaged?)") from None
     except (ValueError, UnicodeDecodeError, OSError) as err:
         raise UserError(f"{path}: not a steadytrain checkpoint file (not JSON: {error_text(err, 80)})") from None
 
 
 def read_state(ckpt: Path) -> dict[str, Any]:
-    """``state.json`` of checkpoint directory ``ckpt``, its format and version checked."""
+    """``state.json`` of checkpoint directory ``ckpt``: its format and version, and every value a resume, a
+    rollback, ``eval`` or ``export`` reads, checked for type and range (:func:`.ckptschema.check_state`)."""
     path = ckpt / "state.json"
     state = _load_json(path)
     if not isinstance(state, dict) or state.get("format") != FORMAT:
@@ -165,11 +170,7 @@ def read_state(ckpt: Path) -> dict[str, Any]:
     if state.get("version") != VERSION:
         got = brief(state.get("version"))
         raise UserError(f"{path}: checkpoint format version {got}; this steadytrain reads version {VERSION}")
-    for key, kind in (("step", int), ("world_size", int), ("train", dict), ("model", dict), ("optimizer", dict)):
-        if not isinstance(state.get(key), kind) or isinstance(state.get(key), bool):
-            got = brief(state.get(key))
-            raise UserError(f"{path}: {key}={got} is not a {kind.__name__}: the checkpoint is damaged")
-    return state
+    return check_state(state, str(path))
 
 
 def rng_state() -> dict[str, Any]:
@@ -218,9 +219,29 @@ def _reader_metadata(ckpt: Path) -> Any:
         raise UserError(f"{ckpt}: a .safetensors file is not readable ({error_text(err, 100)})") from None
 
 
+def _check_cover(ckpt: Path, meta: Any) -> Any:
+    """``meta`` if the shards of every tensor cover it exactly once (from the headers alone); a UserError naming the
+    checkpoint and the tensor when a part is missing or held twice (a stray or copied ``.safetensors`` file,
+    whose tensors would otherwise be loaded in place of the run's own, the last file read winning)."""
+    for key, md in meta.state_dict_metadata.items():
+        chunks = [(tuple(c.offsets), tuple(c.sizes)) for c in md.chunks]
+        total = math.prod(md.size)
+        for i, (off_a, size_a) in enumerate(chunks):
+            for off_b, size_b in chunks[:i]:
+                if all(a < b + m and b < a + n for a, n, b, m in zip(off_a, size_a, off_b, size_b, strict=True)):
+                    raise UserError(
+                        f"{ckpt}: tensor {key} is held twice (at offset {list(off_a)}) by its .safetensors files: a "
+                        "stray or copied file from another checkpoint? move the extra file out of the directory"
+                    )
+        if (held := sum(math.prod(s) for _, s in chunks)) != total:
+            raise UserError(f"{ckpt}: tensor {key}: its .safetensors files hold {held} of its {total} values (damaged)")
+    return meta
+
+
 def tensor_shapes(ckpt: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """Every tensor key of the checkpoint with its full shape and dtype (from the files' headers)."""
-    meta = _reader_metadata(ckpt)
+    """Every tensor key of the checkpoint with its full shape and dtype (from the files' headers), each tensor's
+    shards checked to cover it exactly once."""
+    meta = _check_cover(ckpt, _reader_metadata(ckpt))
     return {k: (tuple(m.size), m.properties.dtype) for k, m in meta.state_dict_metadata.items()}
 
 
@@ -229,13 +250,13 @@ def full_tensors(ckpt: Path, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
     on the CPU from every rank's shards (memory: one tensor, never the whole state)."""
     from safetensors import safe_open
 
-    meta = _reader_metadata(ckpt)
+    meta = _check_cover(ckpt, _reader_metadata(ckpt))
     by_key: dict[str, list[tuple[Any, Any]]] = {}
     for index, info in meta.storage_data.items():
         by_key.setdefault(index.fqn, []).append((index, info))
     for key in sorted(k for k in meta.state_dict_metadata if k.startswith(prefix + "/")):
         md = meta.state_dict_metadata[key]
-        out, covered = torch.empty(tuple(md.size), dtype=md.properties.dtype), 0
+        out = torch.empty(tuple(md.size), dtype=md.properties.dtype)
         for index, info in by_key.get(key, []):
             try:
                 with safe_open(str(ckpt / Path(info.relative_path).name), framework="pt") as f:
@@ -247,9 +268,6 @@ def full_tensors(ckpt: Path, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
             if len(offsets) != out.dim() or any(o + s > n for o, s, n in zip(offsets, shape, out.shape, strict=True)):
                 raise UserError(f"{ckpt}: {key}: a shard at {offsets} of shape {shape} outside {tuple(out.shape)}")
             out[tuple(slice(o, o + s) for o, s in zip(offsets, shape, strict=True))] = part
-            covered += part.numel()
-        if covered != out.numel():
-            raise UserError(f"{ckpt}: {key}: its shards hold {covered} of {out.numel()} values (damaged)")
         yield key[len(prefix) + 1 :], out
 
 

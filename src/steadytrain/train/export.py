@@ -60,11 +60,39 @@ def export_model(run_dir: str | Path, out: str | Path, *, step: int | None = Non
     if not out.parent.is_dir():
         raise UserError(f"--out {out}: the directory {out.parent} does not exist")
     run = open_run_dir(Path(run_dir))
+    _check_out(out, run.checkpoints)
     path = checkpoint_at(run.checkpoints, step)
     shapes, tensors, saved_step, others = _model_tensors(path)
     if others:
         raise UserError(f"{path}: the model state holds non-tensor entries ({', '.join(others[:3])}): not exportable")
     return _write(out, shapes, tensors, saved_step, run.path.name)
+
+
+_MARK = ("format", "step", "run")
+"""The metadata keys an export writes in its safetensors header (a checkpoint's files carry DCP's instead)."""
+
+
+def _is_export(path: Path) -> bool:
+    """``path`` is a safetensors file this command wrote (its header carries the export's metadata keys)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+    except Exception:  # a header parsed from whatever the file holds: anything unreadable is not an export
+        return False
+    return set(_MARK) <= set(meta)
+
+
+def _check_out(out: Path, checkpoints: Path) -> None:
+    """``--out`` may be a new file or an earlier export; never a file of the run's checkpoints, nor another file."""
+    target = out.resolve()
+    if target.is_relative_to(checkpoints.resolve()):
+        raise UserError(f"--out {out}: inside the run's checkpoints ({checkpoints}); export to a file outside them")
+    if out.exists() and not (out.is_file() and _is_export(out)):
+        raise UserError(
+            f"--out {out}: exists and is not an earlier export (it would be replaced); give a new file name"
+        )
 
 
 def _write(out: Path, shapes: dict[str, Any], tensors: Iterator, step: int, run: str, to: str = "") -> dict[str, Any]:

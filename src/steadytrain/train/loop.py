@@ -22,7 +22,7 @@ from steadytrain.accumulate import NonFiniteGradientError
 from steadytrain.accumulate.events import SPIKE
 from steadytrain.errors import UserError
 from steadytrain.train import runfiles
-from steadytrain.train.checkpoint import latest_checkpoint, restore
+from steadytrain.train.checkpoint import latest_checkpoint, restore, state_file
 from steadytrain.train.ckptsave import CheckpointFailed, CheckpointWriter
 from steadytrain.train.config import TrainConfig
 from steadytrain.train.distributed import DistInfo, init_distributed, teardown, wrap_model
@@ -35,6 +35,7 @@ from steadytrain.train.models import build_model, check_losses
 from steadytrain.train.profiling import StepProfiler
 from steadytrain.train.recover import ROLLED_BACK, fresh_optimizer_state, keep_for_rollback, restore_rng, rollback
 from steadytrain.train.resume import apply_hyperparameters, hyperparameters
+from steadytrain.train.rundir import record_owner
 from steadytrain.train.setup import (
     build_accumulator,
     build_dataset,
@@ -149,12 +150,13 @@ def _resume(job: Job) -> None:
     configured = hyperparameters(job.optimizer)  # the config's settings, before the checkpoint's replace them
     saved = restore(path, job.model, job.optimizer, no_dist=job.info.backend is None)  # each rank its shards
     fresh_optimizer_state(job, saved["step"])
-    job.state.load_state_dict(saved["train"], is_main=job.info.is_main)
+    job.state.load_state_dict(saved["train"], is_main=job.info.is_main, where=state_file(path))
     apply_hyperparameters(job.optimizer, job.acc.scheduler, configured)  # a new LR or schedule applies from here
     restore_rng(job, path, saved)
     if job.validation is not None and (ended := job.validation.ended(job.state.step)):
         raise UserError(f"--resume {job.run.path}: {ended}")  # nothing written yet: the run stays as it was
     if job.info.is_main:
+        record_owner(job.run)  # the first write of a resume: every check before it changed nothing
         runfiles.truncate_logs(job.run, job.state.step, rollbacks=job.spikes.rollbacks)
         runfiles.record_resume(job, path.name)
         log.info("resumed %s at step %d from %s", job.run.path, job.state.step, path.name)

@@ -21,7 +21,7 @@ import torch
 
 from steadytrain._io import append_jsonl
 from steadytrain.train import runfiles
-from steadytrain.train.checkpoint import is_legacy, list_checkpoints, restore
+from steadytrain.train.checkpoint import is_legacy, list_checkpoints, restore, state_file
 from steadytrain.train.ckptfiles import read_rng, set_rng_state
 from steadytrain.train.ckptsave import CheckpointFailed, checkpoint_name
 from steadytrain.train.distributed import barrier, from_main
@@ -89,7 +89,8 @@ def rollback(job: Job, event: NonFiniteEvent) -> str:
     skipped, restored = list(guard.skipped), [*guard.restored, target_step]
     saved = restore(target, job.model, job.optimizer, no_dist=job.info.backend is None)
     fresh_optimizer_state(job, target_step)
-    job.state.load_state_dict(saved["train"], is_main=job.info.is_main)  # the window and recent batches of C
+    # the window and recent batches of C
+    job.state.load_state_dict(saved["train"], is_main=job.info.is_main, where=state_file(target))
     restore_rng(job, target, saved)
     restored = [s for s in restored if s <= target_step]
     guard.rollbacks, guard.skipped, guard.restored = n, skipped, restored  # what happened since C is not undone

@@ -22,7 +22,7 @@ from filelock import FileLock, Timeout
 from steadytrain._io import brief, ensure_dir, read_text, utc_now, write_text_atomic
 from steadytrain.errors import UserError
 
-__all__ = ["RunDir", "claim_run_dir", "exists_error", "lock_run", "open_run_dir"]
+__all__ = ["RunDir", "claim_run_dir", "exists_error", "lock_run", "open_run_dir", "record_owner"]
 
 
 @dataclass(frozen=True)
@@ -92,12 +92,13 @@ def _owner(run: RunDir) -> str:
         return "another process"
 
 
-def lock_run(run: RunDir) -> FileLock:
+def lock_run(run: RunDir, *, record: bool = True) -> FileLock:
     """Hold ``run`` for this process: a second writer (two resumes at once) gets one clear error.
 
     The lock is an ``flock`` on ``RUN/.lock``, which the kernel releases when its process dies, so a
-    kill -9 never leaves a stale lock behind; ``RUN/.lock.owner`` says who holds it. Release it with
-    ``.release()`` when the run is done.
+    kill -9 never leaves a stale lock behind; ``RUN/.lock.owner`` says who holds it (``record=False``: not
+    yet; a resume records it with :func:`record_owner` once its checks pass, so a refused resume changes
+    no byte of the run). Release it with ``.release()`` when the run is done.
     """
     lock = FileLock(run.lock, timeout=0)
     try:
@@ -109,6 +110,12 @@ def lock_run(run: RunDir) -> FileLock:
         ) from None
     except OSError as err:
         raise UserError(f"{run.path}: cannot lock the run directory ({err.strerror or err})") from None
+    if record:
+        record_owner(run)
+    return lock
+
+
+def record_owner(run: RunDir) -> None:
+    """``RUN/.lock.owner``: this process, for the message a second writer gets."""
     owner = f"pid {os.getpid()} on {socket.gethostname()} since {utc_now()}"
     write_text_atomic(run.path / ".lock.owner", owner + "\n")
-    return lock

@@ -43,13 +43,16 @@ def prepare(
 
     Returns ``(run, lock, changes)``; ``lock`` is None on other ranks (release it when done).
     """
+    from steadytrain.train.checkpoint import check_latest
+
     error, lock, changes = None, None, {}
     path = Path(resume or run_dir or Path(cfg.run.dir) / cfg.run.name)
     if info.is_main:
         try:
             if resume is not None:
                 run = open_run_dir(path)
-                lock = lock_run(run)
+                check_latest(run.checkpoints)
+                lock = lock_run(run, record=False)  # its owner is recorded once the resume's checks pass
                 changes = _resume_changes(cfg, plan, run)
             else:
                 run = claim_run_dir(path)

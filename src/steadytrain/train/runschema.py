@@ -25,6 +25,7 @@ __all__ = [
     "check_config",
     "check_data",
     "check_depth",
+    "check_fields",
     "check_metrics_row",
     "check_nonfinite_report",
     "check_plan",
@@ -96,6 +97,8 @@ METRICS: dict[str, tuple[str, bool]] = {
     "flops_per_s": ("nonnegative", True),
     "mfu": ("nonnegative", True),
     "peak_mem_mb": ("nonnegative", True),
+    "step_s": ("nonnegative", True),
+    "checkpoint_s": ("nonnegative", True),
 }
 ROLLBACK: dict[str, tuple[str, bool]] = {
     "rollback_to": ("count", False),
@@ -109,6 +112,7 @@ EVAL: dict[str, tuple[str, bool]] = {
     "val_items": ("count", False),
     "val_nonfinite": ("count", True),
     "early_stop": ("flag", True),
+    "eval_s": ("nonnegative", True),
 }
 PLAN: dict[str, tuple[str, bool]] = {
     "micro_batch_size": ("positive", False),
@@ -151,18 +155,29 @@ DATA: dict[str, tuple[str, bool]] = {
 }
 
 
-def _fields(data: dict[str, Any], spec: dict[str, tuple[str, bool]], where: str, fix: str) -> None:
-    """Check each key of ``spec`` that ``data`` holds (dotted keys reach into sections)."""
+def check_fields(
+    data: dict[str, Any],
+    spec: dict[str, tuple[str, bool]],
+    where: str,
+    fix: str,
+    *,
+    required: bool = False,
+    kinds: dict[str, Check] = KINDS,
+) -> None:
+    """Check each key of ``spec`` that ``data`` holds (dotted keys reach into sections) as its kind (a name in
+    ``kinds``); ``required``: a key that is absent is an error too."""
     for key, (kind, nullable) in spec.items():
         node: Any = data
         for part in key.split("."):
             node = node.get(part, ...) if isinstance(node, dict) else ...
-        if node is ... or (node is None and nullable):
+        if (node is ... and not required) or (node is None and nullable):
             continue
         try:
+            if node is ...:
+                raise UserError(f"{key} is missing ({kind})")
             if node is None:
                 raise UserError(f"{key}=null is not allowed: give a value ({kind})")
-            KINDS[kind](key, node)
+            kinds[kind](key, node)
         except UserError as err:
             raise UserError(f"{where}: {err}; {fix}") from None
 
@@ -202,7 +217,7 @@ def check_metrics_row(row: Any, where: str, after: int) -> dict[str, Any]:
     if step <= after:
         raise UserError(f"{where}: step {step} follows step {after}: steps must increase; {METRICS_FIX}")
     spec = ROLLBACK if is_rollback_row(row) else EVAL if is_eval_row(row) else METRICS
-    _fields(row, spec, where, METRICS_FIX)
+    check_fields(row, spec, where, METRICS_FIX)
     if spec is ROLLBACK and row["rollback_to"] >= step:
         raise UserError(f"{where}: rollback_to={row['rollback_to']} is not before step {step}; {METRICS_FIX}")
     return row
@@ -211,7 +226,7 @@ def check_metrics_row(row: Any, where: str, after: int) -> dict[str, Any]:
 def check_plan(plan: dict[str, Any], where: str) -> dict[str, Any]:
     """``plan.json``: positive batch factors that multiply to the global batch, a finite LR, step counts >= 0."""
     check_depth(plan, where)
-    _fields(plan, PLAN, where, PLAN_FIX)
+    check_fields(plan, PLAN, where, PLAN_FIX)
     factors = [plan.get(k) for k in ("micro_batch_size", "accumulation_steps", "world_size")]
     total = plan.get("global_batch_size")
     if None not in factors and total is not None and math.prod(factors) != total:
@@ -244,14 +259,14 @@ def check_config(config: dict[str, Any], where: str) -> dict[str, Any]:
                 stack.append((f"{name}.{key}" if name else key, child))
         elif isinstance(node, list):
             stack.extend((f"{name}[{i}]", child) for i, child in enumerate(node))
-    _fields(config, CONFIG, where, CONFIG_FIX)
+    check_fields(config, CONFIG, where, CONFIG_FIX)
     return config
 
 
 def check_data(data: dict[str, Any], where: str) -> dict[str, Any]:
     """``data.json``: fingerprint text, counts >= 0, provenance and outliers as mappings."""
     check_depth(data, where)
-    _fields(data, DATA, where, DATA_FIX)
+    check_fields(data, DATA, where, DATA_FIX)
     return data
 
 

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from steadytrain.errors import UserError
 from steadytrain.train.ckptfiles import from_json, to_json
 from steadytrain.train.distributed import DistInfo
 from steadytrain.train.evaluate import Validation
@@ -84,22 +85,38 @@ class TrainState:
             "train state",
         )
 
-    def load_state_dict(self, state: dict[str, Any], *, is_main: bool) -> None:
-        """Restore ``state`` (the exposure counts on rank 0 alone: it carries the global counts on)."""
-        state = from_json(state, "state.json: train")
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.accumulator.load_state_dict(state["accumulator"])  # taken at a step boundary: any K (world size)
-        if self.scaler is not None and state.get("scaler"):
-            self.scaler.load_state_dict(state["scaler"])
-        self.data.load_state_dict(state["data"])
+    def load_state_dict(self, state: dict[str, Any], *, is_main: bool, where: str = "state.json") -> None:
+        """Restore ``state`` (the exposure counts on rank 0 alone: it carries the global counts on); ``where``
+        names the file in errors. Its types and ranges were checked when it was read
+        (:func:`~steadytrain.train.ckptschema.check_state`); each part here checks what only it can."""
+        state = from_json(state, f"{where}: train")
+        part = "exposure"
+        try:
+            saved = {int(k): int(v) for k, v in (state.get("exposure") or {}).items()} if is_main else {}
+            if foreign := sorted(set(saved) - set(getattr(self.data, "shard_ids", saved))):
+                raise UserError(f"shard {foreign[0]} is not a shard this run trains on")
+            part = "scheduler"
+            self.scheduler.load_state_dict(state["scheduler"])
+            part = "accumulator"
+            self.accumulator.load_state_dict(state["accumulator"])  # taken at a step boundary: any K (world size)
+            part = "scaler"
+            if self.scaler is not None and state.get("scaler"):
+                self.scaler.load_state_dict(state["scaler"])
+            part = "data"
+            self.data.load_state_dict(state["data"])
+            part = "validation"
+            if self.validation is not None and state.get("validation"):
+                self.validation.load_state_dict(state["validation"])
+            part = "spikes"
+            if self.spikes is not None:
+                self.spikes.load_state_dict(state.get("spikes"))
+        except (UserError, KeyError, TypeError, ValueError, IndexError, AttributeError) as err:
+            why = str(err) if isinstance(err, UserError) else f"{type(err).__name__}: {err}"
+            fix = "the checkpoint does not fit this run or is damaged"
+            raise UserError(f"{where}: train.{part}: {why}: {fix}") from None
         self.step, self.epoch = int(state["step"]), int(state["data"]["epoch"])
         self.consecutive_skips = int(state.get("consecutive_skips", 0))
         self.elapsed_before = float(state.get("elapsed_s", 0.0))
-        if self.validation is not None and state.get("validation"):
-            self.validation.load_state_dict(state["validation"])
-        if self.spikes is not None:
-            self.spikes.load_state_dict(state.get("spikes"))
-        saved = {int(k): int(v) for k, v in (state.get("exposure") or {}).items()} if is_main else {}
         self._uncounted.clear()
         self.exposure = np.zeros(max(saved, default=-1) + 1, dtype=np.int64)
         for shard, n in saved.items():

@@ -1,0 +1,162 @@
+"""A hostile pass over checkpoint directories: every value of ``state.json`` is checked before a resume changes
+anything, the tensor files must cover each tensor exactly once, and ``export --out`` never replaces a file that
+is not an earlier export. Each finding is a test; each refusal is one line, exit 2, the run directory unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from steadytrain.cli import main
+from tests.cli_utils import assert_user_error
+from tests.train_utils import TINY, sets, write_text_dataset
+
+CKPT = "step-00000004"
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> Path:
+    """A 4-step run with checkpoints at 2 and 4 (each test damages a copy)."""
+    where = tmp_path_factory.mktemp("ckpt")
+    data = write_text_dataset(where / "data", [40, 40, 40, 40])
+    run = where / "base"
+    items = [*TINY, f"data.path={data}", "run.max_steps=4", "checkpoint.every_steps=2", "checkpoint.keep_last=5"]
+    assert main(["train", "--run-dir", str(run), *sets(*items, "run.log_every=1")]) == 0
+    return run
+
+
+def _copy(base: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(base, tmp_path / "run"))
+
+
+def _snapshot(run: Path) -> dict[str, bytes]:
+    """Every file under ``run`` (the lock files included), by relative path."""
+    return {str(p.relative_to(run)): p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()}
+
+
+def _deep(depth: int) -> str:
+    return "[" * depth + "]" * depth
+
+
+def _edit(state: dict, key: str, value) -> None:
+    node = state
+    *parents, last = key.split(".")
+    for part in parents:
+        node = node[part]
+    if value is KeyError:
+        del node[last]
+    else:
+        node[last] = value
+
+
+DAMAGE = [
+    ("step", -5, "step"),
+    ("step", 10**30, "step"),
+    ("world_size", 0, "world_size"),
+    ("train.step", -5, "train.step"),
+    ("train.scheduler", KeyError, "train.scheduler"),
+    ("train.scheduler", "abc", "train.scheduler"),
+    ("train.scheduler.last_epoch", -1, "train.scheduler.last_epoch"),
+    ("train.accumulator", "abc", "train.accumulator"),
+    ("train.accumulator.micro_steps", -3, "train.accumulator.micro_steps"),
+    ("train.data", [1, 2], "train.data"),
+    ("train.data.epoch", -1, "train.data.epoch"),
+    ("train.exposure", {"1000000000000000000": 5}, "train.exposure"),
+    ("train.exposure", {"-3": 5}, "train.exposure"),
+    ("train.exposure", {"1": -5}, "train.exposure.1"),
+    ("train.exposure", "abc", "train.exposure"),
+    ("train.exposure", {"999999": 5}, "train.exposure"),
+    ("train.validation", {"best_loss": 1.0, "best_step": 2}, "train.validation.bad"),
+    ("train.spikes.rollbacks", -1, "train.spikes.rollbacks"),
+    ("train.spikes.detector.loss", "abc", "train.spikes.detector.loss"),
+    ("train.elapsed_s", -1.0, "train.elapsed_s"),
+]
+
+
+@pytest.mark.parametrize(("key", "value", "word"), DAMAGE, ids=[f"{k}={v!r}"[:40] for k, v, _ in DAMAGE])
+def test_a_damaged_state_json_value_is_one_line_naming_the_file_and_key(base, tmp_path, cli, key, value, word):
+    run = _copy(base, tmp_path)
+    path = run / "checkpoints" / CKPT / "state.json"
+    state = json.loads(path.read_text())
+    _edit(state, key, value)
+    path.write_text(json.dumps(state))
+    before = _snapshot(run)
+    r = cli("train", "--resume", run, *sets("run.max_steps=6"))
+    assert_user_error(r, "state.json", word)
+    assert _snapshot(run) == before
+    assert not any(p.name.startswith("step--") for p in (run / "checkpoints").iterdir())
+
+
+def test_state_json_nested_100000_deep_is_one_line(base, tmp_path, cli):
+    run = _copy(base, tmp_path)
+    path = run / "checkpoints" / CKPT / "state.json"
+    text = path.read_text()
+    path.write_text(text.replace('"scaler":null', '"scaler":' + _deep(100_000), 1))
+    before = _snapshot(run)
+    r = cli("train", "--resume", run, *sets("run.max_steps=6"))
+    assert_user_error(r, "state.json", "deep")
+    assert _snapshot(run) == before
+    assert_user_error(cli("export", run, "--out", tmp_path / "m.safetensors"), "state.json", "deep")
+
+
+def test_state_json_nested_40_deep_names_the_depth(base, tmp_path, cli):
+    run = _copy(base, tmp_path)
+    path = run / "checkpoints" / CKPT / "state.json"
+    path.write_text(path.read_text().replace('"scaler":null', '"scaler":' + _deep(40), 1))
+    assert_user_error(cli("train", "--resume", run, *sets("run.max_steps=6")), "state.json", "deeper than")
+
+
+def test_a_stray_safetensors_file_from_another_step_is_refused_naming_the_tensor(base, tmp_path, cli):
+    run = _copy(base, tmp_path)
+    older, latest = run / "checkpoints" / "step-00000002", run / "checkpoints" / CKPT
+    stray = sorted(older.glob("*.safetensors"))[0]
+    shutil.copy(stray, latest / "copy-of-step-2.safetensors")
+    key = sorted(load_file(stray))[0]
+    before = _snapshot(run)
+    r = cli("train", "--resume", run, *sets("run.max_steps=6"))
+    assert_user_error(r, CKPT, key, "held twice")
+    assert _snapshot(run) == before
+    assert_user_error(cli("export", run, "--out", tmp_path / "m.safetensors"), CKPT, key, "held twice")
+    assert not (tmp_path / "m.safetensors").exists()
+
+
+def test_a_missing_safetensors_part_is_refused(base, tmp_path, cli):
+    run = _copy(base, tmp_path)
+    files = sorted((run / "checkpoints" / CKPT).glob("*.safetensors"))
+    held = load_file(files[0])
+    files[0].unlink()
+    r = cli("train", "--resume", run, *sets("run.max_steps=6"))
+    assert r.returncode == 2 and CKPT in r.stderr and any(k in r.stderr for k in held), r.stderr
+
+
+def test_export_out_onto_a_checkpoint_file_is_refused_and_the_file_kept(base, tmp_path, cli):
+    run = _copy(base, tmp_path)
+    target = sorted((run / "checkpoints" / "step-00000002").glob("*.safetensors"))[0]
+    before = _snapshot(run)
+    assert_user_error(cli("export", run, "--out", target), "--out", "checkpoints")
+    assert _snapshot(run) == before
+    link = tmp_path / "link.safetensors"
+    link.symlink_to(target)
+    assert_user_error(cli("export", run, "--out", link), "--out", "checkpoints")
+    assert _snapshot(run) == before
+    r = cli("train", "--resume", run, *sets("run.max_steps=6"))
+    assert r.returncode == 0, r.stderr
+
+
+def test_export_out_onto_a_foreign_file_is_refused_an_earlier_export_replaced(base, tmp_path, cli):
+    foreign = tmp_path / "notes.safetensors"
+    foreign.write_bytes(b"my own notes, not a model")
+    assert_user_error(cli("export", base, "--out", foreign), "--out", "not an earlier export")
+    assert foreign.read_bytes() == b"my own notes, not a model"
+    out = tmp_path / "model.safetensors"
+    assert cli("export", base, "--out", out, "--step", "2").returncode == 0
+    first = load_file(out)
+    r = cli("export", base, "--out", out)
+    assert r.returncode == 0, r.stderr
+    again = load_file(out)
+    assert first.keys() == again.keys() and any((first[k] != again[k]).any() for k in first)
