@@ -64,6 +64,13 @@ def _train(run: Path, items: list[str], *args: str, code: int = 0, **env: str) -
     return proc
 
 
+def free_port() -> int:
+    """A port on 127.0.0.1 nobody serves (a connection to it is refused)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _offline(tmp: Path, wandb_dir: str | None) -> dict[str, str]:
     """W&B offline with every one of its directories in ``tmp`` (``wandb_dir`` "": unset, the run directory's)."""
     return {
@@ -252,14 +259,17 @@ def test_an_mlflow_file_store_receives_every_row(tmp_path, data, monkeypatch):
         _close(got[key], pairs, 1e-12, what=key)
 
 
-def test_a_tracker_that_fails_is_one_warning_and_the_run_completes(tmp_path, data):
-    with socket.socket() as s:  # a port on 127.0.0.1 nobody serves
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+@pytest.mark.timeout(120)  # MLflow's own retries would take minutes per request
+def test_a_tracker_that_fails_is_one_warning_and_the_run_completes(tmp_path, data, monkeypatch):
+    for key in ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "MLFLOW_HTTP_REQUEST_TIMEOUT"):
+        monkeypatch.delenv(key, raising=False)  # steadytrain's bounds, not a user's
+    monkeypatch.delenv("MLFLOW_EXPERIMENT_NAME", raising=False)  # a long name would cut the warning's cause off
+    port = free_port()
     items = _items(data, "run.max_steps=6", "eval.every_steps=3", "run.trackers=[mlflow]")
     proc = _train(tmp_path / "run", [*items, f"run.mlflow_uri=http://127.0.0.1:{port}"])
     warnings = [line for line in proc.stderr.splitlines() if "mlflow" in line.lower() and "tracker" in line]
     assert len(warnings) == 1 and "start failed" in warnings[0], proc.stderr
+    assert "Connection refused" in warnings[0] and f"127.0.0.1:{port}" in warnings[0], warnings[0]  # the server
     rows = _rows(tmp_path / "run")
     assert [r["step"] for r in rows if "val_loss" not in r] == [1, 2, 3, 4, 5, 6]
     assert [r["step"] for r in rows if "val_loss" in r] == [3, 6]

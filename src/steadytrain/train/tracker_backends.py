@@ -21,11 +21,18 @@ _PARAMS_PER_CALL = 100  # MLflow's log_batch limits
 _METRICS_PER_CALL = 1000
 _MAX_PARAM_CHARS = 6000
 _HTTP_LIMITS = {  # a dead tracking server costs seconds once, not minutes per call (MLflow's defaults retry ~7x)
+    # each must parse as mlflow.environment_variables' own type (int but the jitter), or every request fails
     "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
-    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "0.5",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",  # waits 0 s, then 2 s (+ jitter) between the 3 tries
     "MLFLOW_HTTP_REQUEST_BACKOFF_JITTER": "0.5",
-    "MLFLOW_HTTP_REQUEST_TIMEOUT": "10",
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "10",  # seconds per try: a server that accepts but never answers
 }
+_WANDB_LIMITS = {  # W&B's own defaults: init waits 90 s for a dead server, finish waits for it forever
+    "init_timeout": ("WANDB_INIT_TIMEOUT", 20.0),
+    "finish_timeout": ("WANDB_FINISH_TIMEOUT", 60.0),  # what is not uploaded stays on disk for `wandb sync`
+    "finish_timeout_raises": ("WANDB_FINISH_TIMEOUT_RAISES", True),  # a timed-out finish is our one warning
+}
+"""W&B setting -> (the variable with which a user sets it, which then wins; steadytrain's value)."""
 
 
 def numeric(row: dict[str, Any]) -> dict[str, float]:
@@ -111,6 +118,12 @@ class TensorBoard(Tracker):
         self.writer.close()
 
 
+def _wandb_settings(wandb: Any) -> Any:
+    """``wandb.Settings`` with :data:`_WANDB_LIMITS` that this W&B version knows and the user has not set."""
+    known = getattr(wandb.Settings, "model_fields", {})
+    return wandb.Settings(**{k: v for k, (env, v) in _WANDB_LIMITS.items() if k in known and env not in os.environ})
+
+
 class Wandb(Tracker):
     """A W&B run: ``WANDB_MODE`` as the user set it; its files under the run directory unless ``WANDB_DIR`` is set."""
 
@@ -128,6 +141,7 @@ class Wandb(Tracker):
             resume="allow",  # the same run again on --resume (a new one if the id is unknown)
             dir=None if os.environ.get("WANDB_DIR") else str(self.run),
             reinit="create_new",  # never finishes a run the user's own code holds
+            settings=_wandb_settings(wandb),
         )
         self.handle.config.update(config, allow_val_change=True)  # a resume may change settings
         return {"id": self.handle.id}
