@@ -14,6 +14,7 @@ the same run directory on a requeue).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -437,8 +438,9 @@ def test_killed_requeued_stopped_requeued_again_equals_one_nproc_run(slurm, tmp_
     reached = [gate / "reached-0", gate / "reached-1"]
     _wait_for("both ranks in their first forward", lambda: all(p.exists() for p in reached), job, out)
     os.killpg(job.pid, signal.SIGKILL)  # the script, srun/torchrun
-    for p in reached:  # and the ranks (torchrun starts each in its own session)
-        os.kill(int(p.read_text()), signal.SIGKILL)
+    for p in reached:  # and the ranks (torchrun starts each in its own session; they die with it, or here)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(p.read_text()), signal.SIGKILL)
     job.wait(timeout=30)
     assert (run / "config.yaml").is_file() and not list((run / "checkpoints").iterdir())
 

@@ -25,11 +25,14 @@ def _handoff(nproc: int, argv: list[str]) -> None:
     """``--nproc N``: run this command under torchrun on this node, in this process (never returns).
 
     A Ctrl-C reaches torchrun, which passes it to every rank: the ranks stop with a checkpoint and
-    say how to resume; torchrun's own report of the signal is not printed as a traceback.
+    say how to resume; torchrun's own report of the signal is not printed as a traceback. The ranks
+    get this process's pid, and die with it (see :mod:`steadytrain.train.launcher`).
     """
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
+
+    from steadytrain.train.launcher import LAUNCHER_PID
 
     rest, skip = [], False
     for a in argv:
@@ -40,6 +43,7 @@ def _handoff(nproc: int, argv: list[str]) -> None:
         elif not a.startswith("--nproc="):
             rest.append(a)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ[LAUNCHER_PID] = str(os.getpid())  # the ranks' environment (torchrun's agent is this process)
     try:
         torchrun(["--standalone", f"--nproc-per-node={nproc}", "-m", "steadytrain", *rest])
     except SignalException as err:
@@ -47,6 +51,8 @@ def _handoff(nproc: int, argv: list[str]) -> None:
     except ChildFailedError as err:  # the ranks printed why; torchrun's summary is above
         _, failure = err.get_first_failure()
         raise click.exceptions.Exit(failure.exitcode if 0 < failure.exitcode < 256 else 1) from None
+    finally:
+        os.environ.pop(LAUNCHER_PID, None)
     raise click.exceptions.Exit(0)
 
 
@@ -77,6 +83,9 @@ def train(
     """Train: the embedded default with no CONFIG, or CONFIG.yaml; under torchrun on every rank."""
     from pathlib import Path
 
+    from steadytrain.train.launcher import die_with_launcher
+
+    die_with_launcher()  # a rank under torchrun: before anything else, so a launcher killed now takes it along
     from steadytrain.runs.report import report_after_training
     from steadytrain.train.config import load_config
     from steadytrain.train.loop import TrainingStopped
@@ -125,13 +134,15 @@ def show(config: str | None, overrides: tuple[str, ...], world_size: int) -> Non
 
     from steadytrain.train.config import load_config
     from steadytrain.train.distributed import DistInfo
+    from steadytrain.train.holdout import holdout
     from steadytrain.train.setup import build_dataset, check_model_args, data_path, resolve_plan
 
     cfg = load_config(config, list(overrides))
     check_model_args(cfg, user_code=False)  # inspecting a config never runs a factory it names
-    k = resolve_plan(cfg, world_size, None).accumulation_steps
+    layout = resolve_plan(cfg, world_size, None)
     info = DistInfo(0, world_size, 0, torch.device("cpu"), None)
-    ds = build_dataset(cfg, data_path(cfg), info, k)
+    held = holdout(cfg, data_path(cfg), layout.global_batch_size)  # the plan counts what the run trains on
+    ds = build_dataset(cfg, data_path(cfg), info, layout.accumulation_steps, held.shards, rows=held.training_rows)
     plan = resolve_plan(cfg, world_size, ds.steps_per_epoch, ds.dropped_per_epoch)
     click.echo(yaml.safe_dump(cfg.to_dict(), sort_keys=False), nl=False)
     console.print("# derived (batch plan)")

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from steadytrain.errors import UserError
+from steadytrain.train.launcher import die_with_launcher
 
 __all__ = ["DistInfo", "agree", "from_main", "init_distributed", "mixed_precision", "teardown", "wrap_model"]
 
@@ -47,7 +48,9 @@ def _env_int(name: str, default: int) -> int:
 
 
 def init_distributed(backend: str = "auto") -> DistInfo:
-    """Join the job torchrun started (or run alone); NCCL on GPU and gloo on CPU unless told otherwise."""
+    """Join the job torchrun started (or run alone); NCCL on GPU and gloo on CPU unless told otherwise. A rank
+    dies with its launcher (:func:`~steadytrain.train.launcher.die_with_launcher`)."""
+    die_with_launcher()
     world, local = _env_int("WORLD_SIZE", 1), _env_int("LOCAL_RANK", 0)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", local) if cuda else torch.device("cpu")

@@ -9,20 +9,28 @@ next, so it never waits on the network in the step and every rank stops after th
 A second signal aborts at once (``KeyboardInterrupt``), except within :data:`ECHO_S` of the first:
 torchrun forwards the terminal's Ctrl-C (and Slurm its SIGTERM) to ranks that already got it, and
 that echo is the same request, not a second one.
+
+The handlers stay until the job has ended (its report written, the ranks parted): a first signal once the
+steps are over has nothing left to stop and is only noted (the job ends as it would have), a second aborts;
+rank 0, while it writes the report, lets its launcher's death wait for it (:meth:`~StopRequest.holding`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from steadytrain.train.distributed import DistInfo
+from steadytrain.train.launcher import death_signal, launcher_gone, launcher_pid
 
 __all__ = ["ECHO_S", "StopRequest"]
 
@@ -42,6 +50,8 @@ class StopRequest:
         self.signal: int | None = None
         self.stopped = False
         """Whether the ranks agreed to stop (the loop then writes the checkpoint and exits)."""
+        self.ended = False
+        """Whether the job is ending (:meth:`settle`): its steps are over, a signal has nothing left to stop."""
         self._at = 0.0
         self._previous: dict[int, Any] = {}
         self._group: Any = None
@@ -61,18 +71,47 @@ class StopRequest:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
-        if self._work is not None:  # a flag still in flight: every rank waits for it, so the next collective matches
-            self._work.wait()
-            self._work = None
+        self.settle()
+
+    def settle(self) -> None:
+        """The job is ending (finished, stopped or failed): the flag still in flight completes (every rank waits
+        for it, so the next collective matches), and a first signal from here on is only noted."""
+        self.ended = True
+        work, self._work = self._work, None
+        if work is not None:
+            work.wait()
+
+    @contextlib.contextmanager
+    def holding(self) -> Iterator[None]:
+        """Rank 0 writing the report of a job that ended: its launcher's death (SIGTERM here, not SIGKILL) waits
+        until the report is written; then the rank dies as its peers did (SIGKILL), before any collective."""
+        previous = death_signal(signal.SIGTERM)
+        try:
+            yield
+        finally:
+            death_signal(previous)
+            if launcher_gone():
+                log.warning("the launcher (pid %s) is gone: the run's report is written; exiting", launcher_pid())
+                os.kill(os.getpid(), previous)
 
     def _handle(self, signum: int, frame: Any) -> None:
         now = time.monotonic()
+        if launcher_gone():  # its death signal while rank 0 writes the report: :meth:`holding` ends the rank after
+            return
         if self.signal is None:
             self.signal, self._at = signum, now
-            log.warning(
-                "%s: stopping at the next optimizer step boundary with a checkpoint (press Ctrl-C again to abort now)",
-                signal.Signals(signum).name,
-            )
+            if self.ended:
+                log.warning(
+                    "%s: the job is already ending: it exits once its last files are written (press Ctrl-C again "
+                    "to abort now)",
+                    signal.Signals(signum).name,
+                )
+            else:
+                log.warning(
+                    "%s: stopping at the next optimizer step boundary with a checkpoint (press Ctrl-C again to "
+                    "abort now)",
+                    signal.Signals(signum).name,
+                )
             return
         if now - self._at < ECHO_S:  # torchrun or Slurm passing on the same request
             return
