@@ -22,13 +22,23 @@ from typing import Any
 
 import numpy as np
 
-from steadytrain._io import brief, read_text
+from steadytrain._io import brief, read_text, write_text_atomic
 from steadytrain.data.sources import IngestError
 from steadytrain.errors import UserError
 
-__all__ = ["BYTES", "EOD_CANDIDATES", "ByteTokenizer", "FileTokenizer", "load_tokenizer", "token_dtype"]
+__all__ = [
+    "BYTES",
+    "EOD_CANDIDATES",
+    "TOKENIZER_FILE",
+    "ByteTokenizer",
+    "FileTokenizer",
+    "load_tokenizer",
+    "token_dtype",
+]
 
 BYTES = "bytes"
+TOKENIZER_FILE = "tokenizer.json"
+"""A ``tokenizers`` file given to ingest, kept in the dataset under this name (its sha256 is in the provenance)."""
 EOD_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eos|>", "[SEP]")
 MAX_TOKENIZER_BYTES = 256 * 2**20  # the largest public tokenizer.json files are a few tens of MB
 
@@ -103,6 +113,9 @@ class ByteTokenizer(_Tokenizer):
     def worker_copy(self) -> ByteTokenizer:
         return self
 
+    def save(self, directory: Path) -> None:
+        """Bytes need no file: the provenance says it all."""
+
 
 class FileTokenizer(_Tokenizer):
     """A Hugging Face ``tokenizers`` tokenizer loaded from its JSON text; see :func:`load_tokenizer`."""
@@ -140,6 +153,11 @@ class FileTokenizer(_Tokenizer):
         counts = [len(seq) + (ends is None or ends[i]) for i, seq in enumerate(ids)]
         tokens = np.fromiter(itertools.chain.from_iterable(flat), dtype=self.dtype, count=sum(counts))
         return tokens, counts
+
+    def save(self, directory: Path) -> None:
+        """Keep the file, as read, in the dataset ``directory`` (``tokenizer.json``): the tokenizer that gives
+        the data's ids, for a model trained on them (``export --format hf`` writes it out)."""
+        write_text_atomic(directory / TOKENIZER_FILE, self._text)
 
     def worker_copy(self) -> FileTokenizer:
         """The same tokenizer loaded afresh in a worker process, with the library's own threads off

@@ -7,14 +7,18 @@ header is written from the checkpoint's shard headers, then each tensor is assem
 rank's shards and written before the next is read, so exporting holds one tensor in memory and never
 the optimizer state. It is written aside and renamed: a killed export leaves no partial file.
 
-``--format hf`` writes ``model.safetensors`` (the same stream, under the ``transformers`` model's own keys)
-and then ``config.json`` (the config the run's model was built from, kept in the run directory): a killed
-export leaves no ``config.json``, which ``from_pretrained`` needs. The directory may be new, empty, or an
-earlier export (its two files are replaced); anything else in it is refused rather than mixed with.
+``--format hf`` writes ``model.safetensors`` (the same stream, under the ``transformers`` model's own keys),
+the tokenizer the run's data was ingested with (``tokenizer.json`` and ``tokenizer_config.json``, kept in
+the run directory: see :mod:`~steadytrain.train.hftok`; none for data whose provenance names no tokenizer)
+and then ``config.json`` (the config the run's model was built from, its ``eos_token_id`` the data's end of
+document): a killed export leaves no ``config.json``, which ``from_pretrained`` needs. The directory may be
+new, empty, or an earlier export (its files are replaced, an earlier tokenizer removed where this run has
+none); anything else in it is refused rather than mixed with.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,11 +31,14 @@ from steadytrain.errors import UserError
 from steadytrain.train.checkpoint import checkpoint_at, is_legacy, load_checkpoint
 from steadytrain.train.ckptfiles import TENSOR, full_tensors, read_state, tensor_shapes, write_safetensors
 from steadytrain.train.hf import CONFIG_FILE as HF_CONFIG
+from steadytrain.train.hf import TOKENIZER_FILE as HF_TOKENIZER
+from steadytrain.train.hftok import EXPORT_FILES as TOKENIZER_FILES
+from steadytrain.train.hftok import tokenizer_files
 from steadytrain.train.rundir import open_run_dir
 
 __all__ = ["export_hf", "export_model"]
 
-HF_FILES = ("config.json", "model.safetensors")
+HF_FILES = ("config.json", "model.safetensors", *TOKENIZER_FILES)
 
 log = logging.getLogger("steadytrain.train")
 
@@ -110,14 +117,15 @@ def _write(out: Path, shapes: dict[str, Any], tensors: Iterator, step: int, run:
 
 def _hf_out(out: Path) -> None:
     if out.exists() and not out.is_dir():
-        raise UserError(f"--out {out}: a file; --format hf writes a directory (config.json, model.safetensors)")
+        raise UserError(f"--out {out}: a file; --format hf writes a directory (config.json, model.safetensors, ...)")
     if out.is_dir() and (others := sorted(p.name for p in out.iterdir() if p.name not in HF_FILES)):
         raise UserError(f"--out {out}: holds other files ({', '.join(others[:3])}); give a new or empty directory")
 
 
 def export_hf(run_dir: str | Path, out: str | Path, *, step: int | None = None) -> dict[str, Any]:
     """Write RUN's HF model at ``step`` (default: the latest) to the directory ``out``: ``config.json`` and
-    ``model.safetensors``, which ``AutoModelForCausalLM.from_pretrained(out)`` loads; what was written."""
+    ``model.safetensors``, which ``AutoModelForCausalLM.from_pretrained(out)`` loads, and the data's tokenizer
+    (``AutoTokenizer.from_pretrained(out)``) where the run kept one; what was written."""
     out = Path(out)
     _hf_out(out)
     run = open_run_dir(Path(run_dir))
@@ -126,6 +134,8 @@ def export_hf(run_dir: str | Path, out: str | Path, *, step: int | None = None) 
             f"{run.path}: not a run of an hf: model (no {HF_CONFIG}): export it with --out FILE.safetensors"
         )
     config = read_text(run.path / HF_CONFIG, what="HF model config")
+    kept = run.path / HF_TOKENIZER
+    tokenizer = tokenizer_files(read_text(kept, what="HF tokenizer"), json.loads(config)) if kept.is_file() else {}
     path = checkpoint_at(run.checkpoints, step)
     shapes, tensors, saved_step, others = _model_tensors(path)
     if others or not shapes or any(not k.startswith("hf.") for k in shapes):
@@ -134,5 +144,11 @@ def export_hf(run_dir: str | Path, out: str | Path, *, step: int | None = None) 
     renamed = ((k.removeprefix("hf."), t) for k, t in tensors)
     ensure_dir(out, "--out")  # parents too: a new directory for the model
     done = _write(out / "model.safetensors", shapes, renamed, saved_step, run.path.name, " (hf)")
+    for name in TOKENIZER_FILES:
+        if name in tokenizer:
+            write_text_atomic(out / name, tokenizer[name])
+        else:
+            (out / name).unlink(missing_ok=True)  # an earlier export's: not this run's tokenizer
     write_text_atomic(out / "config.json", config)  # last: only a complete export has one
-    return {**done, "out": str(out)}
+    log.info("tokenizer: %s", "the data's, as ingested" if tokenizer else "none (the run's data names none)")
+    return {**done, "out": str(out), "tokenizer": bool(tokenizer)}

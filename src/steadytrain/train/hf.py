@@ -12,12 +12,24 @@ position against the next token, as ``transformers`` shifts ``labels`` inside it
 one mean loss per sequence, so clipping, accumulation, non-finite attribution and evaluation work
 unchanged. The model's decoder layers are an ``nn.ModuleList``: FSDP2 shards each of them.
 ``transformers`` is imported only for ``hf:`` names (the ``hf`` extra).
+
+Only a causal model trains: one whose position ``i`` never sees token ``i + 1`` (its label), checked on the
+built model (:mod:`~steadytrain.train.hfcheck`), as are the sizes (at least 1). ``transformers``' own
+warnings while the model is built (a misconfigured model, weights missing from a directory) are said
+through steadytrain's log, or inside the error when the model is refused; never silenced. A fresh model's
+``eos_token_id`` and ``bos_token_id`` are the data's end-of-document id (ingest's provenance), as GPT-2's
+are its ``<|endoftext|>``: a document starts after one; ``pad_token_id`` is left alone (many families make it
+an embedding's ``padding_idx``, which never learns).
 """
 
 from __future__ import annotations
 
 import difflib
 import json
+import logging
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -25,16 +37,32 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from steadytrain._text import error_text
+from steadytrain._text import error_text, one_line
 from steadytrain.errors import UserError
+from steadytrain.train.hfcheck import check_causal, check_given, check_loaded
+from steadytrain.train.hftok import RUN_FILE as TOKENIZER_FILE
+from steadytrain.train.hftok import run_tokenizer
 
-__all__ = ["CONFIG_FILE", "PREFIX", "HFCausalLM", "build_hf", "hf_config_json", "is_hf"]
+__all__ = [
+    "CONFIG_FILE",
+    "PREFIX",
+    "TOKENIZER_FILE",
+    "HFCausalLM",
+    "build_hf",
+    "hf_config_json",
+    "hf_run_files",
+    "is_hf",
+]
 
 PREFIX = "hf:"
 BYTES = 256
 """The vocabulary of data without a tokenizer in its provenance (bytes), as tiny-lm assumes too."""
 CONFIG_FILE = "hf_config.json"
 """The HF model's ``config.json``, kept in the run directory (``export --format hf`` writes it out)."""
+SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+log = logging.getLogger(__name__)
 
 
 def is_hf(name: str) -> bool:
@@ -46,8 +74,32 @@ def _transformers(name: str) -> Any:
         import transformers
     except ImportError:
         raise UserError(f"model.name={name!r} needs Hugging Face transformers: pip install 'steadytrain[hf]'") from None
-    transformers.logging.set_verbosity_error()  # its notes about unused weights etc. are not the user's errors
     return transformers
+
+
+@contextmanager
+def _heard(tf: Any) -> Iterator[list[str]]:
+    """``transformers``' warnings (at its own verbosity: ``TRANSFORMERS_VERBOSITY`` holds) while a model is built,
+    each as one line, caught from its logger instead of printed by it, for the caller to say; its progress
+    bars (loading weights: noise) are off meanwhile."""
+    heard: list[str] = []
+
+    class Ear(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines = [ln.strip() for ln in _ANSI.sub("", record.getMessage()).splitlines()]
+            heard.append(one_line(" | ".join(ln for ln in lines if ln)))
+
+    tf.logging.get_logger()  # the library's logger, set up with its own handler, which is set aside here
+    logger, bars = logging.getLogger("transformers"), tf.logging.is_progress_bar_enabled()
+    handlers = logger.handlers[:]
+    logger.handlers[:] = [Ear(logging.WARNING)]
+    tf.logging.disable_progress_bar()
+    try:
+        yield heard
+    finally:
+        logger.handlers[:] = handlers
+        if bars:
+            tf.logging.enable_progress_bar()
 
 
 def _tokens_error(name: str, columns: list[str]) -> UserError:
@@ -107,7 +159,8 @@ def _settings(config_class: Any) -> set[str]:
     return known | set(getattr(config_class, "attribute_map", {}))
 
 
-def _check_keys(name: str, config_class: Any, kwargs: dict[str, Any]) -> None:
+def _check_keys(name: str, config_class: Any, kwargs: dict[str, Any]) -> set[str]:
+    """Refuse a key ``config_class`` does not know, or a size below 1; the keys it knows."""
     known = _settings(config_class)
     for key in kwargs:
         if key not in known:
@@ -117,23 +170,52 @@ def _check_keys(name: str, config_class: Any, kwargs: dict[str, Any]) -> None:
                 f"model.{key} is not a setting of {name}'s config ({config_class.__name__}){hint}: "
                 "remove it or check its spelling"
             )
+    check_given(config_class, kwargs)
+    return known
+
+
+def _special_ids(defaults: Any, kwargs: dict[str, Any], vocab: int, eod: int | None) -> dict[str, Any]:
+    """A fresh model's special ids the model section leaves: ``bos`` and ``eos`` the data's end of document
+    where it names one; else none for a default outside the vocabulary (gpt2's 50256 among 257 symbols)."""
+    out: dict[str, Any] = {}
+    for key in SPECIAL_IDS:
+        value = getattr(defaults, key, None)
+        if key in kwargs or not hasattr(defaults, key):
+            continue
+        if eod is not None and key != "pad_token_id":
+            out[key] = eod
+        elif isinstance(value, int) and value >= vocab:
+            out[key] = None
+    return out
+
+
+def _saved_config(tf: Any, name: str, where: Path, kwargs: dict[str, Any], eod: int | None) -> tuple[Any, set[str]]:
+    """The config of the directory ``where``, the model section over it; its ``eos_token_id`` the data's end
+    of document (where the data names one and the model section does not)."""
+    if not (where / "config.json").is_file():
+        raise UserError(f"model.name={name!r}: {where} has no config.json (save the model with save_pretrained)")
+    try:
+        config = tf.AutoConfig.from_pretrained(str(where), local_files_only=True)
+    except Exception as err:
+        raise UserError(f"model.name={name!r}: cannot read {where / 'config.json'}: {error_text(err)}") from None
+    known = _check_keys(name, type(config), kwargs)
+    for key, value in kwargs.items():
+        setattr(config, key, value)
+    check_loaded(config, where / "config.json", kwargs)
+    eos = getattr(config, "eos_token_id", None)
+    if eod is not None and "eos_token_id" not in kwargs and eos != eod and not (isinstance(eos, list) and eod in eos):
+        log.info("model %s: eos_token_id %s -> %d, the data's end-of-document id", name, eos, eod)
+        config.eos_token_id = eod
+    return config, known
 
 
 def _config(
     tf: Any, name: str, target: str, where: Path | None, kwargs: dict[str, Any], context: dict[str, Any]
-) -> Any:
-    """The model's config: from a local directory's ``config.json`` (``where``), or a fresh one for a model type."""
+) -> tuple[Any, set[str]]:
+    """The model's config, from a local directory's ``config.json`` (``where``) or fresh for a model type,
+    and the settings its class knows."""
     if where is not None:
-        if not (where / "config.json").is_file():
-            raise UserError(f"model.name={name!r}: {where} has no config.json (save the model with save_pretrained)")
-        try:
-            config = tf.AutoConfig.from_pretrained(str(where), local_files_only=True)
-        except Exception as err:
-            raise UserError(f"model.name={name!r}: cannot read {where / 'config.json'}: {error_text(err)}") from None
-        _check_keys(name, type(config), kwargs)
-        for key, value in kwargs.items():
-            setattr(config, key, value)
-        return config
+        return _saved_config(tf, name, where, kwargs, context.get("eod"))
     types = tf.CONFIG_MAPPING
     if target not in types:
         near = difflib.get_close_matches(target, list(types.keys()), n=1)
@@ -142,14 +224,11 @@ def _config(
             f"model.name={name!r}: {target!r} is not a model type transformers knows{hint} nor an existing directory; "
             "steadytrain never downloads: save the model with save_pretrained and give hf:<its directory>"
         )
-    _check_keys(name, types[target], kwargs)
+    known = _check_keys(name, types[target], kwargs)
     settings = {"vocab_size": context.get("vocab_size", BYTES), **kwargs}
-    config = tf.AutoConfig.for_model(target, **settings)
-    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):  # gpt2's 50256 is outside a smaller vocabulary
-        value = getattr(config, key, None)
-        if key not in kwargs and isinstance(value, int) and value >= config.vocab_size:
-            setattr(config, key, None)
-    return config
+    vocab = settings["vocab_size"] if isinstance(settings["vocab_size"], int) else BYTES
+    settings.update(_special_ids(types[target](), kwargs, vocab, context.get("eod")))
+    return tf.AutoConfig.for_model(target, **settings), known
 
 
 def _check_fits(name: str, config: Any, context: dict[str, Any]) -> None:
@@ -161,7 +240,7 @@ def _check_fits(name: str, config: Any, context: dict[str, Any]) -> None:
             f"set model.vocab_size to at least {vocab}"
         )
     positions = getattr(config, "max_position_embeddings", None)
-    if isinstance(positions, int) and seq_len is not None and positions < seq_len:
+    if isinstance(positions, int) and seq_len is not None and 0 < positions < seq_len:  # xlnet's -1: no limit
         key = getattr(type(config), "attribute_map", {}).get("max_position_embeddings", "max_position_embeddings")
         raise UserError(
             f"model {name}: {key}={positions} is shorter than the data's sequences ({seq_len} tokens): "
@@ -169,18 +248,9 @@ def _check_fits(name: str, config: Any, context: dict[str, Any]) -> None:
         )
 
 
-def build_hf(name: str, kwargs: dict[str, Any], context: dict[str, Any]) -> HFCausalLM:
-    """The model ``hf:<model_type>`` (fresh, from a config) or ``hf:<directory>`` (saved weights) names."""
-    if "columns" in context and "tokens" not in context["columns"]:
-        raise _tokens_error(name, context["columns"])
-    tf = _transformers(name)
-    target = name[len(PREFIX) :]
-    if not target:
-        raise UserError("model.name='hf:' names no model: give hf:<model_type> (e.g. hf:gpt2) or hf:<directory>")
-    where = Path(target).expanduser()
-    where = where if where.is_dir() else None
+def _build(tf: Any, name: str, where: Path | None, kwargs: dict[str, Any], context: dict[str, Any]) -> HFCausalLM:
     try:
-        config = _config(tf, name, target, where, kwargs, context)
+        config, known = _config(tf, name, name[len(PREFIX) :], where, kwargs, context)
     except UserError:
         raise
     except Exception as err:  # a setting of the wrong type (transformers' configs check them)
@@ -193,9 +263,31 @@ def build_hf(name: str, kwargs: dict[str, Any], context: dict[str, Any]) -> HFCa
             model = tf.AutoModelForCausalLM.from_pretrained(str(where), config=config, local_files_only=True)
     except UserError:
         raise
-    except Exception as err:  # not a causal LM (hf:bert), a config the model refuses, unreadable weights
+    except Exception as err:  # not a causal LM (hf:t5), a config the model refuses, unreadable weights
         raise UserError(f"model.name={name!r}: transformers refused it: {error_text(err)}") from None
-    return HFCausalLM(model.float(), int(context.get("seq_len", 128)))
+    wrapped = HFCausalLM(model.float(), int(context.get("seq_len", 128)))
+    check_causal(name, wrapped, known)  # hf:bert: a language-model head over bidirectional attention
+    return wrapped
+
+
+def build_hf(name: str, kwargs: dict[str, Any], context: dict[str, Any]) -> HFCausalLM:
+    """The model ``hf:<model_type>`` (fresh, from a config) or ``hf:<directory>`` (saved weights) names;
+    ``transformers``' warnings meanwhile are logged, or are part of the error when the model is refused."""
+    if "columns" in context and "tokens" not in context["columns"]:
+        raise _tokens_error(name, context["columns"])
+    tf = _transformers(name)
+    if not name[len(PREFIX) :]:
+        raise UserError("model.name='hf:' names no model: give hf:<model_type> (e.g. hf:gpt2) or hf:<directory>")
+    where = Path(name[len(PREFIX) :]).expanduser()
+    with _heard(tf) as heard:
+        try:
+            model = _build(tf, name, where if where.is_dir() else None, kwargs, context)
+        except UserError as err:
+            said = "; transformers warned: " + " | ".join(h[:300] for h in heard) if heard else ""
+            raise UserError(f"{err}{said}") from None
+    for text in heard:
+        log.warning("transformers: %s", text)
+    return model
 
 
 def hf_config_json(model: nn.Module) -> str | None:
@@ -205,3 +297,13 @@ def hf_config_json(model: nn.Module) -> str | None:
     config = model.config.to_dict()
     config["architectures"] = [type(model.hf).__name__]
     return json.dumps(config, indent=2, sort_keys=True) + "\n"
+
+
+def hf_run_files(model: nn.Module, data: Path | None) -> dict[str, str]:
+    """What a run of an HF model keeps for ``export --format hf``: its ``config.json`` and the tokenizer its
+    data was ingested with (where the data names one); nothing for any other model."""
+    config = hf_config_json(model)
+    if config is None:
+        return {}
+    tokenizer = run_tokenizer(data)
+    return {CONFIG_FILE: config, **({TOKENIZER_FILE: tokenizer} if tokenizer is not None else {})}
