@@ -612,3 +612,76 @@ def test_schema_alias_bomb_is_an_error_not_a_hang(tmp_path):
     path.write_text("\n".join(lines) + "\nfields: {}\n")
     with pytest.raises(SchemaError, match="expands to more than"):
         Schema.load(path)
+
+
+# --- 8. schema limits the column's type cannot hold ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("spec", "words"),
+    [
+        (
+            "{dtype: int64, min: 1000000000000000000000000000000}",
+            ["'min'", "10000000000000", "int64", "9223372036854775807"],
+        ),
+        ("{dtype: int64, max: -9223372036854775809}", ["'max'", "-9223372036854775809", "[-9223372036854775808, "]),
+        ("{dtype: int64, min: 1.0e+19}", ["'min'", "1e+19", "int64"]),
+        ("{dtype: uint8, min: -1}", ["'min'", "-1", "uint8", "[0, 255]"]),
+        ("{dtype: int8, max: 1000}", ["'max'", "1000", "int8", "[-128, 127]"]),
+        ("{dtype: 'list<int16>', max: 40000}", ["'max'", "40000", "int16", "[-32768, 32767]"]),
+        ("{dtype: float16, max: 100000}", ["'max'", "100000", "float16", "65504.0"]),
+        ("{dtype: float32, min: -1.0e+39}", ["'min'", "-1e+39", "float32", "3.4028234663852886e+38"]),
+        ("{dtype: uint8, vocabulary: [1, 300]}", ["'vocabulary'", "300", "uint8", "[0, 255]"]),
+        ("{dtype: 'list<uint32>', vocabulary: [-1]}", ["'vocabulary'", "-1", "uint32", "4294967295"]),
+        ("{dtype: int8, vocabulary: ['1']}", ["'vocabulary'", "'1'", "not an integer"]),
+        ("{dtype: string, vocabulary: [1]}", ["'vocabulary'", "1", "not a string"]),
+    ],
+)
+def test_schema_limits_the_column_type_cannot_hold_are_refused_at_load(tmp_path, cli, cli_ds, spec, words):
+    path = tmp_path / "s.yaml"
+    path.write_text(f"fields: {{n: {spec}}}\n")
+    with pytest.raises(SchemaError) as err:
+        Schema.load(path)
+    assert str(err.value).startswith(f"{path}: field 'n': "), str(err.value)
+    for word in words:
+        assert word in str(err.value), (word, str(err.value))
+    assert_user_error(cli("data", "validate", cli_ds, "--schema", path), str(path), "field 'n'", *words)
+
+
+def test_limits_at_the_edges_of_a_type_check_every_value(tmp_path, cli):
+    import numpy as np
+
+    from steadytrain.data import apply_policy
+
+    columns = {
+        "u": ([0, 2**64 - 1, 5], pa.uint64(), "{dtype: uint64, max: 18446744073709551614}"),
+        "f": ([1.0, 2e30, -3.0], pa.float64(), "{dtype: float64, max: 1000000000000000000000000000000}"),
+        "h": ([0.5, 70.0, -2.0], pa.float16(), "{dtype: float16, min: -1, max: 65.5}"),
+        "i": ([-128, 0, 127], pa.int8(), "{dtype: int8, min: -127, max: 127}"),
+    }
+    arrays = {k: pa.array(np.array(v, dtype=t.to_pandas_dtype()), t) for k, (v, t, _) in columns.items()}
+    with DatasetWriter(tmp_path / "ds") as w:
+        w.write_shard(pa.table(arrays))
+    path = tmp_path / "s.yaml"
+    path.write_text("fields:\n" + "".join(f"  {k}: {spec}\n" for k, (_, _, spec) in columns.items()))
+    schema = Schema.load(path)
+    bounds = {k: (s.min, s.max) for k, s in schema.fields.items()}
+    expected = {  # compared in Python on the values themselves
+        k: [i for i, x in enumerate(v) if (lo is not None and x < lo) or (hi is not None and x > hi)]
+        for k, (v, _, _) in columns.items()
+        for lo, hi in [bounds[k]]
+    }
+    assert expected == {"u": [1], "f": [1], "h": [1, 2], "i": [0]}
+    report = validate(open_dataset(tmp_path / "ds"), schema)
+    assert {v.field: v.examples for v in report.violations if v.kind == "out_of_range"} == expected
+    assert len(report.violations) == 4
+    r = cli("data", "validate", tmp_path / "ds", "--schema", path)
+    assert r.returncode == 1 and "out_of_range" in r.stdout, r.stdout + r.stderr
+    table, kept, counts = apply_policy(pa.table(arrays), schema, "clamp", shard=0)
+    assert counts.clamped == 3 and kept.tolist() == [0, 1, 2]
+    for k, (v, _, _) in columns.items():
+        lo, hi = bounds[k]
+        want = [min(max(x, lo if lo is not None else x), hi if hi is not None else x) for x in v]
+        got = table.column(k).to_pylist()
+        assert got == want if k in "ui" else got == pytest.approx(want, rel=1e-12), k  # integers exactly
+        assert all((lo is None or x >= lo) and (hi is None or x <= hi) for x in got), k  # never outside

@@ -78,3 +78,39 @@ def test_verify_cli(drifted, tmp_path):
     result = run("verify", str(copy))
     assert result.returncode == 1 and "shard 3" in result.stdout
     assert run("verify", str(tmp_path)).returncode == 2  # not a dataset: one line, exit 2
+
+
+def test_verify_reads_every_shard_even_when_the_checksums_were_recomputed(drifted, tmp_path, cli):
+    import hashlib
+    import json
+
+    import pyarrow.parquet as pq
+
+    from steadytrain.data import CorruptShardError
+
+    copy = tmp_path / "copy"
+    shutil.copytree(drifted, copy)
+    files = {s.id: copy / s.file for s in open_dataset(copy).shards}
+    data = files[1].read_bytes()
+    files[1].write_bytes(data[: len(data) // 2])  # truncated: no footer
+    garbled = bytearray(files[4].read_bytes())
+    garbled[4:200] = b"\xab" * 196  # the first column chunk garbled, the footer intact
+    files[4].write_bytes(bytes(garbled))
+    pq.write_table(pq.read_table(files[6]).slice(1), files[6])  # good Parquet, one record short of the index's 30
+    index = json.loads((copy / "index.json").read_text())
+    for entry in index["shards"]:  # the index made to agree with the damaged files, as a careless "repair" would
+        data = files[entry["id"]].read_bytes()
+        entry.update(sha256=hashlib.sha256(data).hexdigest(), bytes=len(data))
+    (copy / "index.json").write_text(json.dumps(index))
+    open_dataset(copy).verify()  # the checksums alone agree
+    r = cli("data", "verify", copy)
+    assert r.returncode == 1, r.stdout + r.stderr
+    bad = [line for line in r.stdout.splitlines() if line.startswith("corrupt: ")]
+    assert [line.split()[2] for line in bad] == ["1:", "4:", "6:"], r.stdout
+    assert "not readable Parquet" in bad[0] and "not readable Parquet" in bad[1]
+    assert "holds 29 records, the index says 30" in bad[2]
+    assert "5/8 shards verified" in r.stdout
+    for sid in (0, 2, 3, 5, 7):  # the others read whole, as pyarrow reads them
+        assert pq.read_table(files[sid]).num_rows == open_dataset(copy).shard(sid).records == 30
+    with pytest.raises(CorruptShardError, match="shard 1: "):
+        open_dataset(copy).verify(decode=True)

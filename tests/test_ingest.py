@@ -4,7 +4,9 @@ a kill -9 in the middle of an ingest."""
 
 from __future__ import annotations
 
+import csv
 import gzip
+import io
 import json
 import logging
 import os
@@ -25,6 +27,7 @@ from steadytrain.cli import main
 from steadytrain.data import Schema, ShardedDataset, open_dataset, validate
 from steadytrain.data.ingest import IngestError, ingest
 from steadytrain.data.sources import PIECE_BYTES
+from steadytrain.errors import UserError
 from tests.cli_utils import EXE, assert_user_error
 
 WORDS = [
@@ -96,8 +99,9 @@ def flat_tokens(path: Path) -> tuple[np.ndarray, dict]:
 
 
 def write_text_tree(root: Path) -> list[bytes]:
-    """Documents in a directory tree (plain, .gz, .zst, one larger than a piece, one with no newline at all);
-    returns their bytes in the order ingest reads them (sorted by path inside the directory)."""
+    """Documents in a directory tree (plain, .gz, .zst, one larger than a piece, one with no newline at all,
+    UTF-8 text of another name); returns their bytes in the order ingest reads them (sorted by path inside the
+    directory). A hidden file and a binary one are there too, never read."""
     docs = {
         "a.txt": b"first document\nwith two lines\n",
         "b/c.txt": "ünïcödé — 東京\r\nno trailing newline".encode(),
@@ -106,6 +110,7 @@ def write_text_tree(root: Path) -> list[bytes]:
         "big.txt": "".join(sentences(40_000, 1)).encode(),
         "empty.txt": b"",
         "long.txt": (("x" * 999 + "é") * 1500 + "\n").encode(),
+        "notes.md": "# UTF-8 text of any name is text ✓\n".encode(),
         "z.txt": b"\x00\xff raw bytes, not UTF-8\n",
     }
     assert len(docs["big.txt"]) > 2 * PIECE_BYTES and b"\n" not in docs["long.txt"][:-1]
@@ -120,7 +125,7 @@ def write_text_tree(root: Path) -> list[bytes]:
         else:
             path.write_bytes(data)
     (root / ".hidden.txt").write_text("never read")
-    (root / "notes.md").write_text("not an input type: skipped inside a directory")
+    (root / "b" / "img.png").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00 binary: skipped inside a directory")
     return [docs[k] for k in sorted(docs)]
 
 
@@ -140,10 +145,12 @@ def test_text_bytes_round_trip(tmp_path):
     assert result.rows * 65 == result.tokens + result.pad_tokens and result.shards == len(index["shards"])
     # sources: every file in exactly the shards its bytes landed in, named as given + path inside the directory
     named = [p["path"] for s in index["shards"] for p in s["provenance"]["sources"]]
-    files = ("a.txt", "b/c.txt", "b/d.txt.gz", "b/e.txt.zst", "big.txt", "empty.txt", "long.txt", "z.txt")
+    files = ("a.txt", "b/c.txt", "b/d.txt.gz", "b/e.txt.zst", "big.txt", "empty.txt", "long.txt", "notes.md", "z.txt")
     assert sorted(set(named)) == [str(tmp_path / "src" / k) for k in files]
     first = index["shards"][0]["provenance"]["sources"][0]
     assert first["size"] == len(docs[0]) and len(first["sha256"]) == 64
+    assert result.binary_files == (str(tmp_path / "src" / "b" / "img.png"),)
+    assert result.files == f"read {len(files)} files ({len(files)} text); skipped 1 binary"
 
 
 @pytest.mark.parametrize(("eod", "byte_level", "dtype"), [("<|endoftext|>", True, "uint16"), (None, False, "uint8")])
@@ -307,12 +314,13 @@ BAD_CASES = {
     "binary-tokenizer": ("d.txt", b"hi\n", ["--tokenizer", "BINTOK"], "not UTF-8"),
     "corrupt-gz": ("d.txt.gz", gzip.compress(b"x\n" * 1000)[:-30] + b"\x00" * 30, [], "d.txt.gz"),
     "seq-len-0": ("d.txt", b"hi\n", ["--seq-len", "0"], "--seq-len"),
-    "field-with-csv": ("d.csv", b"a,b\n1,2\n", ["--field", "a"], "CSV"),
+    "field-not-in-csv": ("d.csv", b"a,b\n1,2\n", ["--field", "nope"], "has no column 'nope' (columns: 'a', 'b')"),
+    "csv-text-no-field": ("d.csv", b"a,b\n1,2\n", ["--kind", "text"], "--field"),
     "parquet-text-no-field": ("d.parquet", None, ["--kind", "text"], "--field"),
     "records-from-txt": ("d.txt", b"hi\n", ["--kind", "records"], "--kind text"),
     "reserved-column": ("d.jsonl", b'{"index": 1}\n', [], "rename"),
     "string-in-int-column": ("d.jsonl", b'{"n": 1}\n{"n": "2"}\n', [], "d.jsonl:2"),
-    "unknown-type": ("d.json", b"{}", [], "not a file ingest reads"),
+    "binary-file": ("d.bin", b"\x89PNG\r\n\x1a\n\x00\x00\xff", [], "not a file ingest reads"),
 }
 
 
@@ -413,3 +421,118 @@ def test_a_dataset_inside_src_is_skipped_and_a_dataset_as_src_is_refused(tmp_pat
     assert second.tokens == first.tokens == len("hello world\n") + 1
     assert_user_error(run_main(capsys, str(src / "ds"), "--out", str(tmp_path / "o")), "data.path=")
     assert not (tmp_path / "o").exists()
+
+
+# --- the --field column, --seq-len, text of any name -------------------------------------------------------
+
+
+def write_rows(path: Path, rows: list[dict]) -> None:
+    """``rows`` in the format ``path`` names (.parquet, .jsonl, .csv), compressed when it ends .gz or .zst."""
+    if path.suffix == ".parquet":
+        pq.write_table(pa.Table.from_pylist(rows), path)
+        return
+    fmt = path.name.split(".")[1]
+    if fmt == "jsonl":
+        data = "".join(json.dumps(r) + "\n" for r in rows).encode()
+    else:
+        out = io.StringIO(newline="")
+        writer = csv.DictWriter(out, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+        data = out.getvalue().encode()
+    if path.suffix == ".gz":
+        data = gzip.compress(data)
+    if path.suffix == ".zst":
+        with pa.CompressedOutputStream(str(path), "zstd") as f:
+            f.write(data)
+        return
+    path.write_bytes(data)
+
+
+ROWS = [
+    {"text": "first document", "lang": "en"},
+    {"text": 'a comma, a "quote"\nand a newline', "lang": "de"},
+    {"text": "ünïcödé 東京", "lang": "ja"},
+]
+
+
+@pytest.mark.parametrize("name", ["d.parquet", "d.csv", "d.csv.gz", "d.csv.zst", "d.jsonl", "d.jsonl.gz"])
+def test_a_field_the_file_lacks_is_one_line_naming_it_and_the_columns(tmp_path, cli, name):
+    write_rows(tmp_path / name, ROWS)
+    r = cli("data", "ingest", tmp_path / name, "--out", tmp_path / "ds", "--field", "nope")
+    assert_user_error(r, "--field", "'nope'", name, "'text'", "'lang'")
+    assert not (tmp_path / "ds").exists()
+    # the column that exists is the text, a document per row, CSV included
+    r = cli("data", "ingest", tmp_path / name, "--out", tmp_path / "ds", "--field", "text", "--seq-len", "8")
+    assert r.returncode == 0, r.stderr
+    flat, _ = flat_tokens(tmp_path / "ds")
+    assert flat.tolist() == [t for row in ROWS for t in [*row["text"].encode(), 256]]
+
+
+def seq_len_bound() -> int:
+    """The training config's bound on ``data.seq_len``, as pydantic enforces it."""
+    from steadytrain.train.config import DataConfig
+
+    return next(m.le for m in DataConfig.model_fields["seq_len"].metadata if getattr(m, "le", None) is not None)
+
+
+def test_seq_len_is_bounded_like_the_training_configs(tmp_path, cli):
+    bound = seq_len_bound()
+    (tmp_path / "a.txt").write_bytes(b"x" * (bound + 100))
+    r = cli("data", "ingest", tmp_path / "a.txt", "--out", tmp_path / "ds", "--seq-len", bound + 1)
+    assert_user_error(r, "--seq-len", str(bound + 1), str(bound))
+    assert not (tmp_path / "ds").exists()
+    with pytest.raises(UserError, match=f"seq_len=1000000000 .* at most {bound}"):
+        ingest([tmp_path / "a.txt"], tmp_path / "ds", seq_len=1_000_000_000)  # refused before anything is made
+    r = cli("data", "ingest", tmp_path / "a.txt", "--out", tmp_path / "ds", "--seq-len", bound)
+    assert r.returncode == 0, r.stderr
+    assert open_dataset(tmp_path / "ds").provenance["seq_len"] == bound
+
+
+@pytest.mark.parametrize("size", [2, 11, 60, 128, 129, 200])
+def test_input_shorter_than_a_window_is_one_unpadded_window(tmp_path, size):
+    (tmp_path / "a.txt").write_bytes(bytes(range(97, 123)) * 8)  # 208 bytes
+    (tmp_path / "a.txt").write_bytes((tmp_path / "a.txt").read_bytes()[:size])
+    result = ingest([tmp_path / "a.txt"], tmp_path / "ds", seq_len=128)
+    flat, index = flat_tokens(tmp_path / "ds")
+    assert flat.tolist() == [*(tmp_path / "a.txt").read_bytes(), 256] and result.tokens == size + 1
+    width = min(129, size + 1)  # a window of all the data when it is shorter than one of seq_len + 1
+    assert index["provenance"]["seq_len"] == width - 1 == index["shards"][0]["provenance"]["seq_len"]
+    assert shards_of(tmp_path / "ds")[0].column("tokens").type.list_size == width
+    assert result.pad_tokens == -(size + 1) % width and result.pad_tokens < result.tokens
+
+
+def test_a_folder_of_text_of_any_name_is_read_and_binary_files_are_counted(tmp_path, cli):
+    notes = tmp_path / "notes"
+    texts = {
+        "README": "no extension\n",
+        "a.md": "# A note ✓\n",
+        "code/x.py": "print('hi')\n",
+        "code/y.rst": "Title\n=====\n",
+        "data.json": '{"a": 1}\n',
+        "zipped.md.gz": "compressed note\n",
+    }
+    for rel, text in texts.items():
+        (notes / rel).parent.mkdir(parents=True, exist_ok=True)
+        (notes / rel).write_bytes(gzip.compress(text.encode()) if rel.endswith(".gz") else text.encode())
+    write_rows(notes / "rows.csv", ROWS)
+    write_rows(notes / "rows.jsonl", ROWS[:2])
+    write_rows(notes / "more.jsonl.gz", ROWS[2:])
+    binary = {"img.png": b"\x89PNG\r\n\x1a\n\x00\x00", "latin1.log": "café\n".encode("latin-1")}
+    binary["code/utf16.txt.bak"] = "utf-16\n".encode("utf-16")
+    for rel, data in binary.items():
+        (notes / rel).write_bytes(data)
+    r = cli("data", "ingest", notes, "--out", tmp_path / "ds", "--field", "text", "--seq-len", "16")
+    assert r.returncode == 0, r.stderr
+    assert "read 9 files (6 text, 2 jsonl, 1 csv); skipped 3 binary" in r.stdout
+    assert all(str(notes / rel) in r.stderr for rel in binary)  # named in a warning
+    docs = {rel: [text] for rel, text in texts.items()}
+    docs |= {"rows.csv": [x["text"] for x in ROWS], "rows.jsonl": [x["text"] for x in ROWS[:2]]}
+    docs["more.jsonl.gz"] = [ROWS[2]["text"]]
+    flat, _ = flat_tokens(tmp_path / "ds")
+    assert flat.tolist() == [t for rel in sorted(docs) for d in docs[rel] for t in [*d.encode(), 256]]
+    # a folder of .md files alone is text; a binary file named on its own is refused
+    r = cli("data", "ingest", notes / "code", "--out", tmp_path / "code", "--seq-len", "8")
+    assert r.returncode == 0 and "read 2 files (2 text); skipped 1 binary" in r.stdout, r.stderr
+    r = cli("data", "ingest", notes / "img.png", "--out", tmp_path / "img")
+    assert_user_error(r, "img.png", "binary")

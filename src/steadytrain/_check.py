@@ -9,6 +9,10 @@ from typing import Any
 from steadytrain._io import brief
 from steadytrain.errors import UserError
 
+MAX_SEQ_LEN = 4096
+"""The longest sequence (tokens a model sees per window): the bound of the training config's ``data.seq_len``
+and of ``data ingest --seq-len``."""
+
 
 def check_int(name: str, value: object, minimum: int = 1, *, unit: str = "", maximum: int | None = None) -> int:
     """``value`` if it is an integer (not a bool) in ``[minimum, maximum]``, else a :class:`UserError` naming ``name``.

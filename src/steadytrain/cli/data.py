@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from steadytrain._check import MAX_SEQ_LEN
 from steadytrain.cli._common import UserError, console
 
 
@@ -87,14 +88,18 @@ def data() -> None:
 @data.command("verify")
 @click.argument("path", type=click.Path(exists=True, file_okay=False))
 def verify_cmd(path: str) -> None:
-    """Check every shard's size and sha256 against the index; list leftovers of interrupted writes. Exit 1 if bad."""
+    """Check every shard's size, sha256, and that it decodes to the index's record count. Exit 1 if bad.
+
+    Every row group of every shard is read; files the index does not list (leftovers of interrupted writes)
+    are listed as orphans.
+    """
     from steadytrain.data import CorruptShardError, open_dataset
 
     ds = open_dataset(path)
     bad = []
     for sid in ds.shard_ids:
         try:
-            ds.verify_shard(sid)
+            ds.verify_shard(sid, decode=True)
         except CorruptShardError as err:
             bad.append(sid)
             click.echo(f"corrupt: {shown(err)}")
@@ -194,10 +199,14 @@ def validate_cmd(path: str, schema_path: str | None, shards_spec: str | None) ->
 @data.command("ingest")
 @click.argument("sources", nargs=-1, required=True, type=click.Path())
 @click.option("--out", required=True, type=click.Path(), help="New (or empty) dataset directory.")
-@click.option("--kind", type=click.Choice(["text", "records"]), default=None, help="Default: text for .txt or --field.")
+@click.option(
+    "--kind", type=click.Choice(["text", "records"]), default=None, help="Default: text for text files or --field."
+)
 @click.option("--tokenizer", default=None, help="bytes (default) or a tokenizers JSON file (text only).")
-@click.option("--seq-len", type=click.IntRange(min=1), default=None, help="Tokens per window seen by a model [128].")
-@click.option("--field", default=None, help="The string field (.jsonl) or column (.parquet) holding each document.")
+@click.option(
+    "--seq-len", type=click.IntRange(1, MAX_SEQ_LEN), default=None, help="Tokens per window seen by a model [128]."
+)
+@click.option("--field", default=None, help="The string field (.jsonl) or column (.csv, .parquet) of each document.")
 @click.option("--shard-rows", type=click.IntRange(min=1), default=None, help="Windows [8192] or records [65536].")
 @click.option("--workers", type=click.IntRange(1, 1024), default=1, show_default=True, help="Processes; same output.")
 @click.option("--pipeline-version", default="1", show_default=True, help="Recorded in every shard's provenance.")
@@ -216,6 +225,7 @@ def ingest_cmd(
 ) -> None:
     """Text, JSON lines, CSV or Parquet files (or directories of them; .gz/.zst too) to a sharded dataset.
 
+    Text is .txt and any other UTF-8 file; binary files in a directory are skipped and counted.
     Text becomes windows of seq-len + 1 tokens in a `tokens` column; records stay rows, with a schema.yaml.
     Written aside and renamed into place when complete: a failed or killed ingest leaves nothing at --out.
     """
@@ -259,6 +269,7 @@ def ingest_cmd(
             progress=progress,
             **{k: v for k, v in options.items() if v is not None},
         )
+    click.echo(shown(result.files))
     tokens = f", {result.tokens} tokens" if result.kind == "text" else ""
     skipped = f", {result.skipped_lines} bad line(s) skipped" if skip_bad else ""
     click.echo(

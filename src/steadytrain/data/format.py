@@ -105,8 +105,10 @@ class Dataset:
             if p.is_file() and p.name not in listed and (SHARD_FILE.fullmatch(p.name) or p.name.startswith("."))
         )
 
-    def verify_shard(self, shard_id: int) -> None:
-        """Raise :class:`CorruptShardError` if the shard's size or sha256 differ from the index."""
+    def verify_shard(self, shard_id: int, *, decode: bool = False) -> None:
+        """Raise :class:`CorruptShardError` if the shard's size or sha256 differ from the index; with ``decode``,
+        also if it does not read: its Parquet footer and every row group are decoded (one at a time) and the rows
+        counted against the index's ``records`` (a checksum recomputed over a damaged file still fails here)."""
         info = self.shard(shard_id)
         path = self.file_path(shard_id)
         if not path.exists():
@@ -128,12 +130,29 @@ class Dataset:
             raise CorruptShardError(
                 shard_id, f"shard {shard_id}: {info.file} sha256 {digest[:12]}... != index {info.sha256[:12]}..."
             )
+        if decode:
+            self._decode(info, path)
         self._verified.add(shard_id)
 
-    def verify(self, shards: list[int] | None = None) -> None:
-        """Check every (or the given) shard's checksum; raises naming the first bad shard."""
+    def _decode(self, info: ShardInfo, path: Path) -> None:
+        """Read every row group of a shard; a :class:`CorruptShardError` if one fails or the rows differ in number."""
+        rows = 0
+        try:
+            pf = pq.ParquetFile(str(path), filesystem=pafs.LocalFileSystem())
+            for i in range(pf.num_row_groups):
+                rows += pf.read_row_group(i).num_rows
+        except (OSError, pa.ArrowException) as err:
+            raise self._unreadable(info, path, err) from None
+        if rows != info.records or pf.metadata.num_rows != info.records:
+            raise CorruptShardError(
+                info.id, f"shard {info.id}: {info.file} holds {rows} records, the index says {info.records}"
+            )
+
+    def verify(self, shards: list[int] | None = None, *, decode: bool = False) -> None:
+        """Check every (or the given) shard's checksum (and with ``decode`` that it reads); raises naming the first
+        bad shard."""
         for sid in shards if shards is not None else self.shard_ids:
-            self.verify_shard(sid)
+            self.verify_shard(sid, decode=decode)
 
     def read_shard(self, shard_id: int, *, verify: bool = True, columns: list[str] | None = None) -> pa.Table:
         """The shard's rows in file order (row i is example index i); verified once per process by default."""

@@ -7,6 +7,7 @@ Every check uses ``pyarrow.compute`` and NumPy: nothing loops over rows in Pytho
 from __future__ import annotations
 
 import functools
+import math
 
 import numpy as np
 import pyarrow as pa
@@ -28,6 +29,25 @@ def _as_array(col: pa.ChunkedArray | pa.Array) -> pa.Array:
     if isinstance(col, pa.ChunkedArray):
         return col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()
     return col
+
+
+def _comparable(values: pa.Array) -> pa.Array:
+    """``values`` in a type pyarrow compares: float16 (which has no comparison kernels) as float32, exactly."""
+    return values.cast(pa.float32()) if pa.types.is_float16(values.type) else values
+
+
+def _limit(bound: float, t: pa.DataType) -> pa.Scalar:
+    """A ``min``/``max`` as a scalar to compare values of type ``t`` with: an integer of that type when it fits
+    (a Python int beyond int64 makes no scalar of its own, as ``max: 2**64 - 1`` of a uint64), else a float64."""
+    if pa.types.is_integer(t) and isinstance(bound, int):
+        try:
+            return pa.scalar(bound, t)
+        except (pa.ArrowException, OverflowError):
+            pass
+    try:
+        return pa.scalar(float(bound), pa.float64())
+    except OverflowError:  # beyond any float: below or above every value
+        return pa.scalar(math.copysign(math.inf, bound), pa.float64())
 
 
 def _np(mask: pa.Array) -> np.ndarray:
@@ -96,10 +116,11 @@ def _check_column(col: pa.ChunkedArray | None, spec: FieldSpec, n: int) -> dict[
         )
     if (is_float or pa.types.is_integer(values.type)) and (spec.min is not None or spec.max is not None):
         out = np.zeros(len(values), dtype=bool)
+        cmp = _comparable(values)
         if spec.min is not None:
-            out |= _np(pc.less(values, spec.min))  # NaN compares false: never out of range
+            out |= _np(pc.less(cmp, _limit(spec.min, cmp.type)))  # NaN compares false: never out of range
         if spec.max is not None:
-            out |= _np(pc.greater(values, spec.max))
+            out |= _np(pc.greater(cmp, _limit(spec.max, cmp.type)))
         masks["out_of_range"] = _to_rows(out & ~inf if is_float else out, rows, n)  # ±inf is non_finite only
     if spec.vocabulary is not None:
         known = _np(pc.is_in(values, value_set=_value_set(tuple(spec.vocabulary), values.type)))

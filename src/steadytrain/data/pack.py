@@ -2,6 +2,9 @@
 
 Tokens are packed into consecutive, non-overlapping windows of ``seq_len + 1``; the last partial
 window is padded with the end-of-document token, so every token is in exactly one window, in order.
+Padding never outweighs the data: input shorter than one window becomes one window of all of it (no
+padding; ``seq_len`` in the provenance is that window's), never a window of ``seq_len + 1`` allocated
+to hold a few tokens.
 Records are cut into shards of ``shard_rows`` rows as they come. Each shard's provenance names the
 source files whose data it holds (``sources``: path, size, sha256), the lines skipped since the shard
 before it (``skipped_lines``, with ``skip_bad``), and on the last shard the padding (``pad_tokens``).
@@ -17,6 +20,7 @@ number of shards: minutes for the ten thousand shards of a 10 GB corpus).
 from __future__ import annotations
 
 import json
+import logging
 from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -27,9 +31,11 @@ import pyarrow as pa
 from steadytrain._io import write_atomic, write_text_atomic
 from steadytrain.data.format import DatasetWriter
 from steadytrain.data.index import FORMAT, INDEX, VERSION, ShardInfo, shard_file
-from steadytrain.data.sources import Source, describe
+from steadytrain.data.sources import IngestError, Source, describe
 
 __all__ = ["AsideWriter", "Output", "ShardPacker"]
+
+log = logging.getLogger(__name__)
 
 
 class AsideWriter(DatasetWriter):
@@ -138,6 +144,8 @@ class ShardPacker:
         if self._size:
             data = self._concat()
             if self.width is not None:
+                if self.shards == 0 and self._held is None and len(data) < self.width:
+                    self._shrink(len(data))
                 pad = -len(data) % self.width
                 data = np.concatenate([data, np.full(pad, self.eod, dtype=data.dtype)])
                 last["pad_tokens"] = pad
@@ -149,6 +157,24 @@ class ShardPacker:
             self._skipped = 0
             self._write(*self._held)
             self._held = None
+
+    def _shrink(self, tokens: int) -> None:
+        """All the input is ``tokens``, fewer than a window: the window shrinks to hold them all, unpadded."""
+        if tokens < 2:
+            raise IngestError(
+                "all the input is 1 token (one empty document): a window holds 2 at least (an input and its "
+                "target): give input with text in it"
+            )
+        log.warning(
+            "--seq-len %d: all the input is %d tokens, fewer than a window of %d: written as one window of them all "
+            "(seq_len %d), never padded out",
+            self.width - 1,
+            tokens,
+            self.width,
+            tokens - 1,
+        )
+        self.width = tokens
+        self.writer.provenance["seq_len"] = tokens - 1
 
     def _concat(self) -> Any:
         if self.width is not None:

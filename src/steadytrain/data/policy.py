@@ -11,7 +11,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from steadytrain._io import brief
-from steadytrain.data.masks import _as_array, _is_list, check_table
+from steadytrain.data.masks import _as_array, _comparable, _is_list, check_table
 from steadytrain.data.schema import POLICIES, Schema, SchemaViolationError, _short, dtype_name
 from steadytrain.errors import UserError
 
@@ -88,9 +88,11 @@ def _clip(arr: pa.Array, lo: float | None, hi: float | None) -> pa.Array:
         cls = pa.LargeListArray if pa.types.is_large_list(t) else pa.ListArray
         return cls.from_arrays(pc.subtract(offsets, start), values, type=t, mask=arr.is_null())
     if lo is not None:
-        arr = pc.if_else(pc.less(arr, b := _bound(lo, t, False)), b, arr)
+        b = _bound(lo, t, False)
+        arr = pc.if_else(pc.less(_comparable(arr), b.cast(_comparable(arr).type)), b, arr)
     if hi is not None:
-        arr = pc.if_else(pc.greater(arr, b := _bound(hi, t, True)), b, arr)
+        b = _bound(hi, t, True)
+        arr = pc.if_else(pc.greater(_comparable(arr), b.cast(_comparable(arr).type)), b, arr)
     return arr
 
 

@@ -25,7 +25,7 @@ import pyarrow.compute as pc
 
 from steadytrain._io import brief
 from steadytrain.data.index import RESERVED_COLUMNS
-from steadytrain.data.sources import IngestError, Piece, Source
+from steadytrain.data.sources import IngestError, Piece, Source, no_such_column
 
 __all__ = ["LineErrors", "documents", "first_schema", "records_table"]
 
@@ -105,10 +105,22 @@ def documents(piece: Piece, source: Source, field: str | None, text: bool, bad: 
     """The documents of a piece and whether each ends there: ``(docs, ends)``.
 
     A ``.txt`` piece is part of one document, which ends with the file; a JSON line's ``field`` is one
-    document, as is a Parquet row's. Documents are ``str`` if ``text`` (the tokenizer needs text), else bytes.
+    document, as is a CSV or Parquet row's. Documents are ``str`` if ``text`` (the tokenizer needs text), else bytes.
+
+    Raises:
+        IngestError: a bad line (without ``skip``), or a CSV or Parquet file without the column ``field``.
     """
     if source.format == "txt":
         return [_decode(piece, bad) if text else piece.data], [piece.last]
+    if source.format == "csv":
+        header, rows, _ = _csv_records(piece, source, bad, None)
+        if field not in header:
+            if header:
+                raise no_such_column(field, source.name, header)
+            return [], []  # an empty file
+        col = header.index(field)
+        docs = [r[col] for r in rows]
+        return (docs if text else [d.encode("utf-8") for d in docs]), [True] * len(docs)
     if source.format == "parquet":
         column = piece.data.column(field)
         if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):

@@ -21,10 +21,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import yaml
 
-from steadytrain._io import brief, load_yaml, read_text, write_text_atomic
+from steadytrain._io import brief, read_text, write_text_atomic
+from steadytrain._yamlio import load_yaml
 from steadytrain.errors import UserError
 
 __all__ = ["KINDS", "POLICIES", "FieldSpec", "Schema", "SchemaError", "SchemaViolationError", "dtype_name"]
@@ -234,11 +236,15 @@ def _parse_field(where: str, base: Path, name: str, spec: Any) -> FieldSpec:
         )
     leaf = _leaf_name(dtype)
     for key in ("min", "max"):
-        v = spec.get(key)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v)):
+        if (v := spec.get(key)) is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
             raise err(f"{key!r} = {brief(v)} is not a finite number (expected an int, a float or null)")
-        if v is not None and not _NUMERIC.fullmatch(leaf):
+        if not _NUMERIC.fullmatch(leaf):
             raise err(f"{key!r} = {brief(v)} is set but dtype {dtype!r} is not numeric")
+        lo, hi = _range(leaf)  # a bound the type cannot hold is a typo, and pyarrow cannot compare with it
+        if not lo <= v <= hi:
+            raise err(f"{key!r} = {brief(v)} is outside the range of {leaf}, [{lo}, {hi}]: use a value inside it")
     if spec.get("min") is not None and spec.get("max") is not None and spec["min"] > spec["max"]:
         raise err(f"'min' = {brief(spec['min'])} is above 'max' = {brief(spec['max'])}")
     for key in ("allow_nan", "required"):
@@ -266,9 +272,25 @@ def _parse_vocabulary(err: Any, base: Path, vocab: Any, dtype: str) -> list[Any]
     if bad := [v for v in vocab if not isinstance(v, vtype) or isinstance(v, bool) != (kind == "bool")]:
         hint = " (quote it in YAML)" if kind == "str" else ""
         raise err(f"'vocabulary' value {brief(bad[0])} is not {expected} as dtype {dtype!r} requires{hint}")
-    if kind == "int" and (bad := [v for v in vocab if not -(2**63) <= v < 2**64]):
-        raise err(f"'vocabulary' value {brief(bad[0])} does not fit in a 64-bit integer")
+    lo, hi = _range(leaf) if kind == "int" else (0, 0)
+    if kind == "int" and (bad := [v for v in vocab if not lo <= v <= hi]):
+        bits = np.iinfo(leaf).bits
+        raise err(f"'vocabulary' value {brief(bad[0])} does not fit in {leaf} (a {bits}-bit integer, [{lo}, {hi}])")
     return vocab
+
+
+def _range(leaf: str) -> tuple[int | float, int | float]:
+    """The values a numeric type holds: ``(lowest, highest)``; floats up to their largest finite value.
+
+    Example:
+        >>> _range("uint8"), _range("float16")
+        ((0, 255), (-65504.0, 65504.0))
+    """
+    if _INT.fullmatch(leaf):
+        info = np.iinfo(leaf)
+        return int(info.min), int(info.max)
+    top = float(np.finfo(leaf).max)
+    return -top, top
 
 
 def _read_vocabulary(err: Any, base: Path, name: str, kind: str, expected: str) -> list[Any]:

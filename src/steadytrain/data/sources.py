@@ -3,16 +3,19 @@
 ``SRC`` arguments are files or directories (walked recursively, hidden names and steadytrain
 datasets inside them skipped, files sorted by their path inside the directory) of ``.txt``,
 ``.jsonl``, ``.csv`` and ``.parquet``; the first three may be ``.gz`` or ``.zst`` compressed
-(pyarrow decompresses them). A text, JSON-lines or CSV file is read as a stream in pieces of about
-:data:`PIECE_BYTES`, each cut after a newline (in a CSV file, after a newline outside quotes), so
-memory stays bounded whatever the size of the file; each piece knows the number of its first line,
-so an error names ``file:line``. A Parquet file is read in record batches. Pieces are grouped into
-:class:`Chunk` s of about :data:`CHUNK_BYTES`: the unit of work ingest hands to a worker, fixed by
-the input alone and never by the number of workers.
+(pyarrow decompresses them). A file of any other name is text if it is UTF-8 throughout without a
+NUL byte (``.md``, ``.py``, ``README``; decompressed first if ``.gz`` or ``.zst``); any other file is
+binary: inside a directory skipped and counted, named on its own an error. A text, JSON-lines or CSV
+file is read as a stream in pieces of about :data:`PIECE_BYTES`, each cut after a newline (in a CSV
+file, after a newline outside quotes), so memory stays bounded whatever the size of the file; each
+piece knows the number of its first line, so an error names ``file:line``. A Parquet file is read in
+record batches. Pieces are grouped into :class:`Chunk` s of about :data:`CHUNK_BYTES`: the unit of
+work ingest hands to a worker, fixed by the input alone and never by the number of workers.
 """
 
 from __future__ import annotations
 
+import codecs
 import logging
 import os
 import stat
@@ -40,8 +43,10 @@ __all__ = [
     "Piece",
     "Source",
     "describe",
+    "files_summary",
     "find_sources",
     "iter_chunks",
+    "no_such_column",
 ]
 
 PIECE_BYTES = 1 << 20  # a piece of a text file: cut after the last newline in about this many bytes
@@ -52,6 +57,7 @@ COMPRESSIONS = {".gz": "gzip", ".zst": "zstd"}
 _BOM = b"\xef\xbb\xbf"
 NEWLINE = b"\n"
 _KNOWN = ".txt, .jsonl, .csv, .parquet (the first three also .gz or .zst)"
+KIND_NAMES = {"txt": "text", "jsonl": "jsonl", "csv": "csv", "parquet": "parquet"}  # as counted in summaries
 
 
 class IngestError(UserError):
@@ -116,8 +122,42 @@ def _format_of(name: str) -> tuple[str, str | None] | None:
     return fmt, compression
 
 
-def _walk(root: Path, given: str) -> list[Source]:
-    """The usable files under ``root``, sorted by their path inside it; hidden names and datasets skipped."""
+def _is_utf8_text(path: Path, name: str, compression: str | None) -> bool:
+    """Whether a file (decompressed) is UTF-8 throughout without a NUL byte; read up to the first byte that is not."""
+    decode = codecs.getincrementaldecoder("utf-8")().decode
+    try:
+        raw = pa.OSFile(str(path), "r")
+    except OSError as err:
+        raise IngestError(f"{brief(name)}: cannot be read ({brief(str(err))})") from None
+    stream = pa.CompressedInputStream(raw, compression) if compression else raw
+    try:
+        while block := stream.read(PIECE_BYTES):
+            if b"\0" in block:
+                return False
+            decode(block)
+        decode(b"", final=True)
+    except UnicodeDecodeError:
+        return False
+    except (OSError, pa.ArrowException) as err:
+        if compression:  # not data of that compression (or corrupt): not text ingest can read
+            return False
+        raise IngestError(f"{brief(name)}: cannot be read ({brief(str(err))})") from None
+    finally:
+        stream.close()
+    return True
+
+
+def _classify(path: Path, name: str) -> tuple[str, str | None] | None:
+    """``(format, compression)`` by the extension, else ``("txt", ...)`` for UTF-8 text; None for a binary file."""
+    if (kind := _format_of(name)) is not None:
+        return kind
+    compression = COMPRESSIONS.get(os.path.splitext(name.lower())[1])
+    return ("txt", compression) if _is_utf8_text(path, name, compression) else None
+
+
+def _walk(root: Path, given: str, binary: list[str]) -> list[Source]:
+    """The usable files under ``root``, sorted by their path inside it; hidden names and datasets skipped,
+    binary files' names appended to ``binary``."""
     if (root / INDEX).is_file():
         raise IngestError(
             f"{brief(given)}: is a steadytrain dataset already ({INDEX}): train on it with data.path={given}"
@@ -127,10 +167,13 @@ def _walk(root: Path, given: str) -> list[Source]:
         dirs[:] = [d for d in dirs if not d.startswith(".") and not _is_dataset(Path(here, d))]
         for f in files:
             full = Path(here, f)
-            if f.startswith(".") or (kind := _format_of(f)) is None or not full.is_file():
+            if f.startswith(".") or not full.is_file():  # never opened: a FIFO would block
                 continue
-            rel = full.relative_to(root).as_posix()
-            found.append(Source(full, os.path.join(given, rel), *kind, full.stat().st_size))
+            name = os.path.join(given, full.relative_to(root).as_posix())
+            if (kind := _classify(full, name)) is None:
+                binary.append(name)
+                continue
+            found.append(Source(full, name, *kind, full.stat().st_size))
     return sorted(found, key=lambda s: s.path.relative_to(root).as_posix())
 
 
@@ -146,12 +189,14 @@ def _raise_walk_error(err: OSError) -> None:
     raise IngestError(f"{err.filename}: cannot be listed ({err.strerror or err})")
 
 
-def find_sources(paths: Sequence[str | os.PathLike[str]]) -> list[Source]:
+def find_sources(paths: Sequence[str | os.PathLike[str]], *, binary: list[str] | None = None) -> list[Source]:
     """The input files named by ``paths`` (files, or directories walked recursively), in a fixed order.
 
+    Binary files inside directories are skipped; their names are appended to ``binary`` if given.
+
     Raises:
-        IngestError: no path given, a missing path, a file of another type, a directory without usable
-            files, something that is not a regular file, or one file named twice.
+        IngestError: no path given, a missing path, a binary file named on its own, a directory without
+            usable files, something that is not a regular file, or one file named twice.
 
     Example:
         >>> import tempfile, os
@@ -162,6 +207,7 @@ def find_sources(paths: Sequence[str | os.PathLike[str]]) -> list[Source]:
     if not paths:
         raise IngestError(f"no input: name files or directories of {_KNOWN}")
     out: list[Source] = []
+    binary = [] if binary is None else binary
     for given in map(os.fspath, paths):
         path = Path(given)
         try:
@@ -171,14 +217,16 @@ def find_sources(paths: Sequence[str | os.PathLike[str]]) -> list[Source]:
         except OSError as err:
             raise IngestError(f"{brief(given)}: cannot be read ({err.strerror or err})") from None
         if stat.S_ISDIR(mode):
-            found = _walk(path, given)
+            before = len(binary)
+            found = _walk(path, given, binary)
             if not found:
-                raise IngestError(f"{brief(given)}: no {_KNOWN} files in this directory")
+                skipped = f" ({len(binary) - before} binary file(s) skipped)" if len(binary) > before else ""
+                raise IngestError(f"{brief(given)}: no {_KNOWN} files nor other UTF-8 text in this directory{skipped}")
             out += found
         elif not stat.S_ISREG(mode):
             raise IngestError(f"{brief(given)}: not a regular file: name files or directories")
-        elif (kind := _format_of(path.name)) is None:
-            raise IngestError(f"{brief(given)}: not a file ingest reads: use {_KNOWN}")
+        elif (kind := _classify(path, given)) is None:
+            raise IngestError(f"{brief(given)}: not a file ingest reads: binary (not UTF-8 text); use text or {_KNOWN}")
         else:
             out.append(Source(path, given, *kind, path.stat().st_size))
     seen: dict[str, str] = {}
@@ -188,6 +236,29 @@ def find_sources(paths: Sequence[str | os.PathLike[str]]) -> list[Source]:
             raise IngestError(f"{brief(s.name)}: named twice (also as {brief(seen[real])}): name each file once")
         seen[real] = s.name
     return out
+
+
+def files_summary(sources: Sequence[Source], binary: Sequence[str]) -> str:
+    """How many files were read, by kind, and how many binary ones skipped.
+
+    Example:
+        >>> files_summary([Source(Path("a.md"), "a.md", "txt", None, 1)] * 2, ["b.png"])
+        'read 2 files (2 text); skipped 1 binary'
+    """
+    counts = {kind: 0 for kind in KIND_NAMES.values()}
+    for s in sources:
+        counts[KIND_NAMES[s.format]] += 1
+    kinds = ", ".join(f"{n} {kind}" for kind, n in counts.items() if n)
+    read = f"read {len(sources)} file{'s' if len(sources) != 1 else ''} ({kinds})"
+    return read + (f"; skipped {len(binary)} binary" if binary else "")
+
+
+def no_such_column(field: str, name: str, columns: Sequence[str]) -> IngestError:
+    """The error for ``--field`` naming a column that file ``name`` does not have, listing those it has."""
+    shown = ", ".join(brief(c) for c in columns[:20]) + (f", ... ({len(columns)} in all)" if len(columns) > 20 else "")
+    return IngestError(
+        f"--field {brief(field)}: {name} has no column {brief(field)} (columns: {shown or 'none'}): name one of them"
+    )
 
 
 def describe(source: Source) -> dict[str, Any]:
@@ -278,6 +349,9 @@ def _parquet_pieces(index: int, source: Source, columns: list[str] | None) -> It
     """Record batches of a Parquet file as tables, with an estimate of the bytes read from disk so far."""
     try:
         pf = pq.ParquetFile(str(source.path))
+        names = pf.schema_arrow.names
+        if missing := [c for c in columns or [] if c not in names]:
+            raise no_such_column(missing[0], source.name, names)
         total = max(pf.metadata.num_rows, 1)
         row = 1
         for batch in pf.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=columns):
