@@ -525,3 +525,60 @@ def test_invalid_first_count_in_an_fp16_run_does_not_stick():
     assert [r.stepped for r in results if r is not None] == [False, True]
     assert acc.nonfinite_events[0].reason == INVALID_ITEMS
     assert_same(model, ref)
+
+
+def _mid_cycle(model: nn.Module) -> GradientAccumulator:
+    """An accumulator of ``model`` one micro-batch into a cycle of 2 (its state holds the pending gradients)."""
+    acc = GradientAccumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), accumulation_steps=2)
+    x = torch.ones(3, model[0].in_features)
+    with acc.micro_batch() as mb:
+        mb.backward(model(x).pow(2).mean())
+    return acc
+
+
+def _without(state: dict, *path: str) -> dict:
+    out = copy.deepcopy(state)
+    node = out
+    for key in path[:-1]:
+        node = node[key]
+    del node[path[-1]]
+    return out
+
+
+@pytest.mark.parametrize(
+    ("damage", "words"),
+    [
+        (lambda s: _without(s, "cycle"), ["no cycle"]),
+        (lambda s: _without(s, "pending_grads"), ["no pending_grads"]),
+        (lambda s: _without(s, "cycle", "micro"), ["no cycle.micro"]),
+        (lambda s: {k: s[k] for k in ("micro_steps", "optimizer_steps")}, ["no accumulation_steps"]),
+        (lambda s: s | {"pending_grads": {7: torch.zeros(2)}}, ["pending_grads[7]", "4 trainable parameters"]),
+        (lambda s: s | {"pending_grads": {0: [0.0]}}, ["pending_grads[0]", "'0.weight'", "not a tensor"]),
+        (lambda s: s | {"micro_steps": "3"}, ["micro_steps='3'"]),
+        (lambda s: [s], ["not a dict"]),
+    ],
+)
+def test_a_partial_or_damaged_accumulator_state_is_one_error_naming_the_key(damage, words):
+    acc = _mid_cycle(make_model())
+    other = _mid_cycle(make_model(seed=1))
+    before = ([p.grad.clone() for p in other.model.parameters()], other.micro_steps, other.optimizer_steps)
+    with pytest.raises(UserError) as err:
+        other.load_state_dict(damage(acc.state_dict()))
+    for word in words:
+        assert word in str(err.value), (word, str(err.value))
+    # nothing was changed: the same pending gradients and counters as before the failed load
+    assert all(torch.equal(p.grad, g) for p, g in zip(other.model.parameters(), before[0], strict=True))
+    assert (other.micro_steps, other.optimizer_steps) == before[1:]
+
+
+def test_another_models_state_mid_cycle_names_the_parameter_and_both_shapes():
+    torch.manual_seed(0)
+    wide = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2))
+    state = _mid_cycle(wide).state_dict()
+    acc = _mid_cycle(make_model())  # Linear(5, 8): its first weight is (8, 5), the state's (8, 6)
+    with pytest.raises(UserError, match=r"pending_grads\[0\] \(parameter '0\.weight'\): saved shape \(8, 6\) "
+                                        r"torch\.float32, this model's \(8, 5\) torch\.float32"):  # fmt: skip
+        acc.load_state_dict(state)
+    # the same architecture's state loads (the oracle that the check is not simply refusing everything)
+    acc.load_state_dict(_mid_cycle(make_model(seed=2)).state_dict())
+    assert acc.micro_steps == 1

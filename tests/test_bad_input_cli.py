@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from steadytrain import _io
+from steadytrain import _io, _yamlio
 from steadytrain._check import check_finite, check_int
 from steadytrain._io import one_line
 from steadytrain.errors import UserError
@@ -64,17 +64,17 @@ def test_yaml_alias_bomb_is_an_error_not_a_hang(tmp_path):
     p.write_text("\n".join(lines) + "\n")
     assert p.stat().st_size < 1000
     with pytest.raises(UserError, match="expands to more than"):
-        _io.load_yaml(p)
+        _yamlio.load_yaml(p)
 
 
 def test_yaml_syntax_error_names_file_and_line(tmp_path):
     p = tmp_path / "c.yaml"
     p.write_text("a: 1\nb: [1, 2\nc: 3\n")
     with pytest.raises(UserError, match=r"c\.yaml.*not valid YAML \(line \d+\)"):
-        _io.load_yaml(p)
+        _yamlio.load_yaml(p)
     # Aliases within the bound still work: they are valid YAML.
     p.write_text("base: &b {lr: 0.1}\nrun: *b\n")
-    assert _io.load_yaml(p) == {"base": {"lr": 0.1}, "run": {"lr": 0.1}}
+    assert _yamlio.load_yaml(p) == {"base": {"lr": 0.1}, "run": {"lr": 0.1}}
 
 
 def test_brief_bounds_huge_and_self_nested_values():

@@ -235,6 +235,17 @@ def test_repro_of_a_directory_that_is_not_a_run_is_one_line(tmp_path):
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1
 
 
+def test_repro_onto_an_existing_out_names_out_not_resume(run, tmp_path, cli):
+    from tests.cli_utils import assert_user_error
+
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    proc = cli("repro", str(run), "--steps", "1", "--out", str(taken))
+    assert_user_error(proc, "--out", str(taken), "exists", "new directory")
+    assert "--resume" not in proc.stderr  # repro has no --resume: the flag to change is --out
+    assert list(taken.iterdir()) == []
+
+
 # --- sweep ----------------------------------------------------------------------------------------
 
 
@@ -290,6 +301,22 @@ def test_sweep_refuses_bad_factors_before_training(tmp_path, factors):
     proc = run_cli("sweep", "--factors", factors, "--sweep-dir", str(tmp_path / "s"))
     assert proc.returncode == 2 and "--factors" in proc.stderr
     assert not (tmp_path / "s").exists()
+
+
+def test_a_second_sweep_into_the_same_sweep_dir_is_refused_before_training(data, tmp_path, cli):
+    from tests.cli_utils import assert_user_error
+
+    where = tmp_path / "sweep"
+    first = cli("sweep", "--factors", "0.5,1", "--steps", "2", "--sweep-dir", where, *sets(*TINY, f"data.path={data}"))
+    assert first.returncode == 0, first.stderr[-3000:]
+    # 2-step trials with spike.window 50: a fact of every short run, not a warning on the terminal each trial
+    assert "spike.window" not in first.stderr
+    before = {p.name: p.stat().st_mtime_ns for p in where.iterdir()}
+    table = (where / "sweep.json").read_bytes()
+    second = cli("sweep", "--factors", "2,4", "--steps", "2", "--sweep-dir", where, *sets(*TINY, f"data.path={data}"))
+    assert_user_error(second, "--sweep-dir", "another --sweep-dir", "exist")
+    assert {p.name: p.stat().st_mtime_ns for p in where.iterdir()} == before  # lr-x2, lr-x4 never trained
+    assert (where / "sweep.json").read_bytes() == table
 
 
 # --- helpers --------------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
 
 import pytest
 import torch
@@ -225,3 +226,31 @@ def test_scheduler_state_dict_round_trip():
 def test_schedule_bad_input(kwargs, word):
     with pytest.raises(ValueError, match=word):
         warmup_schedule(sgd(1.0), **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "word"),
+    [
+        ({"step": -5}, "step=-5"),
+        ({"step": -1}, "step=-1"),
+        ({"step": True}, "step=True"),
+        ({"step": 1.5}, "step=1.5"),
+        ({"warmup_steps": -2}, "warmup_steps=-2"),
+        ({"total_steps": -1}, "total_steps=-1"),
+    ],
+)
+def test_multiplier_refuses_a_step_that_is_no_step(kwargs, word):
+    """lr_multiplier(step=-5) gave (-5 + 1) / (3 + 1) = -1: a negative LR. Every step -> multiplier refuses it."""
+    args = {"step": 2, "warmup_steps": 3, "total_steps": 7} | kwargs
+    step = args.pop("step")
+    with pytest.raises(ValueError, match=re.escape(word)):
+        lr_multiplier(step, **args)
+    assert lr_multiplier(0, warmup_steps=3, total_steps=7) == 0.25  # step 0: (0 + 1) / (3 + 1), the first step
+
+
+def test_the_schedulers_multiplier_refuses_a_negative_step():
+    sched = warmup_schedule(sgd(1.0), warmup_steps=3, total_steps=7)
+    (multiplier,) = sched.lr_lambdas
+    assert multiplier(1) == 0.5  # (1 + 1) / (3 + 1)
+    with pytest.raises(ValueError, match="step=-1"):
+        multiplier(-1)

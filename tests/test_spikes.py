@@ -259,3 +259,162 @@ def test_a_complete_last_line_that_is_not_json_is_damage_not_a_torn_write(tmp_pa
     path.write_text('{"step": 1}\ngarbage\n')
     with pytest.raises(UserError, match=r"m\.jsonl:2"):
         read_jsonl(path)
+
+
+# --- a ledger's records checked against the run's data; one reader for every JSON-lines file ----------------
+
+
+def _ledger_run(tmp_path, name="spikes.jsonl", **changes):
+    """A directory with ``data.json`` naming a 4-shard dataset of 16 records each, and a ledger ``name`` of one
+    record (``event_record`` of an example of shard 3, index 0) with ``changes`` applied."""
+    import json
+
+    from steadytrain.accumulate import NonFiniteEvent
+    from steadytrain.data import open_dataset
+    from steadytrain.diagnose.ledger import event_record
+    from tests.train_utils import write_text_dataset
+
+    data = write_text_dataset(tmp_path / "data", [16] * 4)
+    run = tmp_path / "run"
+    run.mkdir()
+    info = {"path": str(data), "fingerprint": open_dataset(data).fingerprint()}
+    (run / "data.json").write_text(json.dumps(info))
+    tag = {"shard": [3], "index": [0]}
+    reason = SPIKE if name == "spikes.jsonl" else "nonfinite_grad_norm"
+    record = event_record(NonFiniteEvent(0, 0, 1.0, (0, 0), (), (tag,), "warn", reason), 5)
+    for key, value in changes.items():
+        if key.startswith("tag_"):
+            record["tags"][0][key.removeprefix("tag_")] = value
+        else:
+            record[key] = value
+    (run / name).write_text(json.dumps(record) + "\n")
+    return run
+
+
+@pytest.mark.parametrize(
+    ("changes", "words"),
+    [
+        ({"shards": "abc"}, ["shards='abc'"]),
+        ({"shards": [-1]}, ["shards holds -1"]),
+        ({"shards": [9]}, ["shards holds 9", "no shard 9", "0-3"]),
+        ({"tag_index": [10**18]}, ["tags[0].index holds 1000000000000000000", "shard 3", "16 records"]),
+        ({"tag_index": [16]}, ["tags[0].index holds 16", "indices 0 to 15"]),
+        ({"tag_shard": [4], "shards": [3]}, ["tags[0].shard holds 4", "no shard 4"]),
+        ({"step": 0}, ["step=0"]),
+    ],
+)
+def test_every_spike_record_is_checked_against_the_runs_dataset(tmp_path, cli, changes, words):
+    from tests.cli_utils import assert_user_error
+
+    run = _ledger_run(tmp_path, **changes)
+    assert_user_error(cli("spikes", "report", run), "spikes.jsonl: line 1", *words)
+
+
+def test_a_ledger_inside_the_dataset_reads_and_the_nan_ledger_is_checked_alike(tmp_path, cli):
+    from steadytrain.diagnose import report
+    from steadytrain.diagnose.ledger import LEDGER, SPIKES
+    from tests.cli_utils import assert_user_error
+
+    ok = _ledger_run(tmp_path / "ok", tag_index=[15])  # the last record of shard 3: in range
+    assert report(ok, SPIKES).steps == [5]
+    bad = _ledger_run(tmp_path / "bad", name=LEDGER, tag_index=[16])
+    assert_user_error(cli("nan", "report", bad), "nonfinite.jsonl: line 1", "tags[0].index holds 16")
+
+
+def test_binary_garbage_in_a_json_lines_file_is_an_error_naming_file_and_line(tmp_path, cli):
+    """A last line without a newline used to be skipped as a torn record whatever it held: garbage read as no
+    records. A torn record is the start of a JSON object; anything else is damage, named file:line."""
+    from steadytrain._io import read_jsonl
+    from tests.cli_utils import assert_user_error
+
+    g = tmp_path / "g.jsonl"
+    g.write_bytes(bytes(range(1, 9)) + b"\x00\xfe garbage")
+    with pytest.raises(UserError, match=r"g\.jsonl:1: "):
+        read_jsonl(g)
+    g.write_bytes(b'{"step": 1}\n\xff\xfe\x00\x01\n{"step": 3}\n')  # not UTF-8 on line 2: named, not "byte 12"
+    with pytest.raises(UserError, match=r"g\.jsonl:2: .*not UTF-8"):
+        read_jsonl(g)
+    g.write_bytes(b'{"step": 1}\n{"name": "caf\xc3')  # a kill inside a multi-byte character: still a torn record
+    assert read_jsonl(g) == [(1, {"step": 1})]
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "spikes.jsonl").write_bytes(b"\x7fELF\x02\x01\x01\x00garbage")
+    assert_user_error(cli("spikes", "report", run), "spikes.jsonl:1")
+    (run / "nonfinite.jsonl").write_bytes(b"[1, 2]\n")  # JSON, but no event: the ledger says so (file and line)
+    assert_user_error(cli("nan", "report", run), "nonfinite.jsonl: line 1", "not a non-finite event")
+
+
+def test_spikes_hunt_of_a_shard_the_run_never_read_says_so(tmp_path, cli):
+    import json
+
+    from tests.cli_utils import assert_user_error
+    from tests.train_utils import TINY, sets, write_text_dataset
+
+    data = write_text_dataset(tmp_path / "data", [16] * 12)
+    run = tmp_path / "run"
+    assert cli("train", "--run-dir", run, *sets(*TINY, f"data.path={data}", "run.max_steps=2")).returncode == 0
+    exposure = {int(k): v for k, v in json.loads((run / "exposure.json").read_text()).items()}
+    assert sum(exposure.values()) == 2 * 16  # 2 steps of 16 examples: at most 16 of the 12 shards were read
+    never = sorted(set(range(12)) - set(exposure))
+    assert never, exposure
+    for command in ("spikes", "nan"):
+        proc = cli(command, "hunt", run, "--shard", never[0])
+        assert_user_error(proc, f"never read shard {never[0]}", f"{command} report")
+        read = proc.stderr.split("the shards it read: ")[1].split(")")[0]
+        spans = [[int(x) for x in part.split("-")] for part in read.split(", ")]
+        assert {x for span in spans for x in range(span[0], span[-1] + 1)} == set(exposure)
+    assert_user_error(cli("spikes", "hunt", run, "--shard", 40), "no shard 40", "0-11")
+
+
+def test_a_spike_window_longer_than_the_run_is_said_once_at_info_not_as_a_warning(tmp_path, cli):
+    import logging
+
+    from tests.train_utils import TINY, sets, write_text_dataset
+
+    records: list[logging.LogRecord] = []
+    keep = logging.Handler()
+    keep.emit = records.append
+    logger = logging.getLogger("steadytrain.train")
+    logger.addHandler(keep)
+    try:
+        data = write_text_dataset(tmp_path / "data", [16] * 4)
+        proc = cli("train", "--run-dir", tmp_path / "run", *sets(*TINY, f"data.path={data}", "run.max_steps=3"))
+    finally:
+        logger.removeHandler(keep)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    said = [r for r in records if "spike.window=50" in r.getMessage()]
+    assert [r.levelno for r in said] == [logging.INFO] and "covers the run's 3 steps" in said[0].getMessage()
+    assert not [r for r in records if r.levelno >= logging.WARNING and "spike" in r.getMessage()]
+
+
+@pytest.mark.parametrize(
+    ("items", "words"),
+    [
+        (["spike.min_ratio=0.5"], ["spike.min_ratio", "0.5 is below 1", "give 1"]),
+        (["spike.min_ratio=0"], ["spike.min_ratio", "0 is below 1"]),
+        (["spike.skip_batches=3"], ["spike.skip_batches=3", "spike.policy=rollback (here warn)"]),
+        (["spike.policy=skip", "spike.skip_batches=2"], ["spike.skip_batches=2", "(here skip)"]),
+        (
+            ["spike.policy=rollback", "spike.skip_batches=31", "run.max_steps=30"],
+            ["spike.skip_batches=31", "at most 30"],
+        ),
+    ],
+)
+def test_spike_settings_that_can_never_act_are_refused(cli, items, words):
+    from tests.cli_utils import assert_user_error
+    from tests.train_utils import sets
+
+    assert_user_error(cli("config", "show", *sets(*items)), *words)
+    with pytest.raises(UserError, match=words[0].replace(".", r"\.")):
+        load_config(overrides=items)
+
+
+def test_spike_settings_at_their_limits_are_accepted():
+    assert load_config(overrides=["spike.min_ratio=1"]).spike.min_ratio == 1.0
+    cfg = load_config(overrides=["spike.policy=rollback", "spike.skip_batches=30", "run.max_steps=30"])
+    assert cfg.spike.skip_batches == 30  # a spike at the last step rolls back to the start: possible
+    assert load_config(overrides=["spike.policy=rollback", "spike.skip_batches=500", "run.max_steps=null"])
+    # a resolved config (every key written, skip_batches at its default) loads with any policy
+    for policy in ("off", "warn", "skip"):
+        resolved = load_config(overrides=[f"spike.policy={policy}"]).to_dict()
+        assert load_config(overrides=[f"spike.{k}={v}" for k, v in resolved["spike"].items()]).spike.policy == policy

@@ -2,14 +2,15 @@
 
 Writes are atomic: a temporary file in the same directory, fsync, rename, fsync of the directory,
 so a crash or bad input never leaves a half-written file under the final name. Reads of files a
-user names go through :func:`read_text`, :func:`load_json` and :func:`load_yaml`, which turn every
-way a file can be wrong (missing, a directory, not UTF-8, too large, malformed, a YAML alias bomb)
+user names go through :func:`read_text`, :func:`load_json` (and :func:`steadytrain._yamlio.load_yaml`), which
+turn every way a file can be wrong (missing, a directory, not UTF-8, too large, malformed)
 into one :class:`~steadytrain.errors.UserError` naming the file. :func:`brief` bounds any value
 before it is formatted into a message.
 """
 
 from __future__ import annotations
 
+import codecs
 import datetime as _dt
 import json
 import logging
@@ -21,8 +22,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
-import yaml
-
 from steadytrain._text import brief, one_line
 from steadytrain.errors import UserError
 
@@ -31,9 +30,7 @@ __all__ = [
     "brief",
     "ensure_dir",
     "load_json",
-    "load_yaml",
     "one_line",
-    "parse_yaml",
     "read_jsonl",
     "read_text",
     "utc_now",
@@ -43,7 +40,6 @@ __all__ = [
 
 MAX_TEXT_BYTES = 64 * 1024 * 1024  # config, index, manifest, schema, lockfile: far below this
 MAX_LOG_BYTES = 1024 * 1024 * 1024  # metrics.jsonl of a very long run (about 200 bytes per step)
-MAX_YAML_NODES = 1_000_000  # nodes after alias expansion: a real config has a few hundred
 
 log = logging.getLogger("steadytrain")
 
@@ -222,14 +218,8 @@ def _read_fd(fd: int, path: Path, what: str, max_bytes: int, first: bytes = b"")
     return b"".join(chunks)
 
 
-def read_text(path: str | Path, *, what: str = "file", max_bytes: int = MAX_TEXT_BYTES) -> str:
-    """The UTF-8 text of a file a user named, or a :class:`UserError` that says what is wrong with it.
-
-    A regular file is read up to ``max_bytes``; a pipe is read to its end (``<(command)`` works) but a
-    FIFO nothing writes to is refused rather than waited on; a device, socket or directory is refused
-    without being opened, so naming ``/dev/zero`` or a terminal never hangs.
-    """
-    path = Path(path)
+def _read_bytes(path: Path, what: str, max_bytes: int) -> bytes:
+    """The bytes of a file a user named (see :func:`read_text`), or a :class:`UserError` naming it."""
     try:
         mode = path.stat().st_mode  # before opening: opening some devices has effects
         if not (stat.S_ISREG(mode) or stat.S_ISFIFO(mode)):
@@ -262,6 +252,18 @@ def read_text(path: str | Path, *, what: str = "file", max_bytes: int = MAX_TEXT
         raise UserError(f"{path}: {what} is not readable (permission denied)") from None
     except OSError as err:
         raise UserError(f"{path}: cannot read the {what} ({err.strerror or err})") from None
+    return data
+
+
+def read_text(path: str | Path, *, what: str = "file", max_bytes: int = MAX_TEXT_BYTES) -> str:
+    """The UTF-8 text of a file a user named, or a :class:`UserError` that says what is wrong with it.
+
+    A regular file is read up to ``max_bytes``; a pipe is read to its end (``<(command)`` works) but a
+    FIFO nothing writes to is refused rather than waited on; a device, socket or directory is refused
+    without being opened, so naming ``/dev/zero`` or a terminal never hangs.
+    """
+    path = Path(path)
+    data = _read_bytes(path, what, max_bytes)
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as err:
@@ -311,13 +313,36 @@ def load_json(path: str | Path, *, what: str = "JSON file") -> Any:
     return _parse_json(read_text(path, what=what), str(path), what)
 
 
+def _torn(line: bytes) -> bool:
+    """Whether ``line`` can be the start of a record cut short by a kill: a JSON object as the project writes them
+    (``json.dumps``: ``{`` first, no control character), with at most a multi-byte character cut at its end."""
+    if not line.startswith(b"{") or any(b < 0x20 or b == 0x7F for b in line):
+        return False
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(line, final=False)
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def _parse_line(line: bytes, where: str, what: str) -> Any:
+    try:
+        text = line.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise UserError(f"{where}: {what} line is not UTF-8 text (byte {err.start} of the line)") from None
+    return _parse_json(text, where, what)
+
+
 def read_jsonl(path: str | Path, *, what: str = "JSON-lines file") -> list[tuple[int, Any]]:
     r"""``(line number, value)`` of every line of a JSON-lines log the project appends to; ``[]`` if absent.
 
-    The one rule for a torn record: the last line, when it is not JSON and no newline ends it (a kill in
-    the middle of its write: each record is written with its newline in one ``write``), is skipped with a
-    warning. Any other malformed line, a complete last one too, is a :class:`UserError` naming the file and
-    line. Lines are parsed as strictly as :func:`load_json`.
+    The one reader of the project's JSON-lines files (``metrics.jsonl``, ``nonfinite.jsonl``, ``spikes.jsonl``,
+    ``resumes.jsonl``): a line that is not UTF-8 or not JSON is a :class:`UserError` naming ``file:line``. The
+    one rule for a torn record: the last line, when no newline ends it (a kill in the middle of its write: each
+    record is written with its newline in one ``write``) and it can be the start of a record (:func:`_torn`:
+    a ``{`` and no control characters; binary garbage cannot), is skipped with a warning. Any other malformed
+    line, a complete last one too, is an error. Lines are parsed as strictly as :func:`load_json`. Whether a
+    value is an object of the right shape is the caller's check (it names the file, line and key).
 
     Example:
         >>> import tempfile, os
@@ -329,7 +354,7 @@ def read_jsonl(path: str | Path, *, what: str = "JSON-lines file") -> list[tuple
     path = Path(path)
     if not path.exists():
         return []
-    lines = read_text(path, what=what, max_bytes=MAX_LOG_BYTES).split("\n")
+    lines = _read_bytes(path, what, MAX_LOG_BYTES).split(b"\n")
     last = max((n for n, line in enumerate(lines, start=1) if line.strip()), default=0)
     last = last if last == len(lines) else 0  # a newline after it: the line was written whole
     out = []
@@ -337,72 +362,11 @@ def read_jsonl(path: str | Path, *, what: str = "JSON-lines file") -> list[tuple
         if not line.strip():
             continue
         try:
-            value = _parse_json(line, f"{path}:{n}", what)
+            value = _parse_line(line, f"{path}:{n}", what)
         except UserError:
-            if n != last:
+            if n != last or not _torn(line):
                 raise
             log.warning("%s: line %d is cut short (the writer was killed mid-write?): skipped", path, n)
             continue
         out.append((n, value))
     return out
-
-
-def _count_nodes(value: Any, budget: int) -> int:
-    """Nodes of ``value`` with shared (aliased) containers counted each time they appear; stops at ``budget``."""
-    stack, seen = [value], 0
-    while stack:
-        v = stack.pop()
-        seen += 1
-        if seen > budget:
-            break
-        if isinstance(v, dict):
-            stack.extend(v.keys())
-            stack.extend(v.values())
-        elif isinstance(v, list):
-            stack.extend(v)
-    return seen
-
-
-class _StrictLoader(yaml.SafeLoader):
-    """``yaml.SafeLoader`` that refuses a key given twice in one mapping (safe_load keeps the last silently)."""
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        seen: set[Any] = set()
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":  # '<<: *base' may be overridden: not a duplicate
-                continue
-            key = self.construct_object(key_node, deep=True)
-            try:
-                duplicate = key in seen
-                seen.add(key)
-            except TypeError:  # an unhashable key: the base class says so
-                continue
-            if duplicate:
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"key {brief(key)} is given twice in one mapping", key_node.start_mark
-                )
-        return super().construct_mapping(node, deep=deep)
-
-
-def parse_yaml(text: str, *, source: str, what: str = "YAML file") -> Any:
-    """``yaml.safe_load`` with the size after alias expansion bounded (an alias bomb is an error, not a hang).
-
-    A key given twice in one mapping is an error, not a silent override.
-    """
-    try:
-        data = yaml.load(text, Loader=_StrictLoader)  # a SafeLoader: builds plain data only
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f" (line {mark.line + 1})" if mark is not None else ""
-        problem = getattr(err, "problem", None) or "malformed"
-        raise UserError(f"{source}: {what} is not valid YAML{where}: {brief(str(problem))}") from None
-    except RecursionError:
-        raise UserError(f"{source}: {what} nests too deeply") from None
-    if _count_nodes(data, MAX_YAML_NODES) > MAX_YAML_NODES:
-        raise UserError(f"{source}: {what} expands to more than {MAX_YAML_NODES} values (nested aliases?)")
-    return data
-
-
-def load_yaml(path: str | Path, *, what: str = "YAML file") -> Any:
-    """Read and parse a YAML file a user named; every problem is one :class:`UserError` naming the file."""
-    return parse_yaml(read_text(path, what=what), source=str(path), what=what)

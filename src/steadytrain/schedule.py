@@ -110,10 +110,17 @@ def lr_multiplier(
     remaining ``total_steps - warmup_steps`` steps: ``cosine`` and ``linear`` go from 1 to
     ``min_lr_ratio``; ``constant`` stays at 1. Steps past ``total_steps`` hold the final value.
 
+    Raises:
+        UserError: (a ``ValueError``) ``step``, ``warmup_steps`` or ``total_steps`` not an integer >= 0: a negative
+            step is no step of any schedule (the warmup line would give a negative LR).
+
     Example:
         >>> [round(lr_multiplier(s, warmup_steps=3, total_steps=7, decay="linear"), 2) for s in range(8)]
         [0.25, 0.5, 0.75, 1.0, 0.75, 0.5, 0.25, 0.0]
     """
+    _count("step", step, 0, unit=" (a 0-based optimizer step)")
+    _count("warmup_steps", warmup_steps, 0, unit=" (counted in optimizer steps)")
+    _count("total_steps", total_steps, 0, unit=" (counted in optimizer steps)")
     if step < warmup_steps:
         return (step + 1) / (warmup_steps + 1)
     if decay == "constant":

@@ -20,7 +20,7 @@ from steadytrain._check import check_int
 from steadytrain._io import brief
 from steadytrain.accumulate import normalize
 from steadytrain.accumulate.events import SPIKE, NonFiniteEvent, NonFiniteGradientError, StepResult, UsageError
-from steadytrain.accumulate.state import Cycle
+from steadytrain.accumulate.state import Cycle, check_state
 from steadytrain.accumulate.step import (
     Reading,
     StepConfig,
@@ -375,6 +375,7 @@ class GradientAccumulator:
         A state saved at a cycle boundary (no micro-batch pending) loads into any ``accumulation_steps``:
         that is how a run resumes on another world size with the same global batch.
         """
+        check_state(state, [(n, p) for n, p in self.model.named_parameters() if p.requires_grad])  # before changes
         if state["accumulation_steps"] != self.accumulation_steps and state["cycle"]["micro"]:
             raise UserError(
                 f"checkpoint has accumulation_steps={state['accumulation_steps']} and a cycle in progress, this "

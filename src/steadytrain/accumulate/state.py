@@ -8,9 +8,26 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from steadytrain._check import check_int
+from steadytrain._io import brief
 from steadytrain.accumulate.normalize import ItemCounts
+from steadytrain.errors import UserError
 
-__all__ = ["Cycle"]
+__all__ = ["Cycle", "check_state"]
+
+STATE_KEYS = (
+    "accumulation_steps",
+    "micro_steps",
+    "optimizer_steps",
+    "skipped_steps",
+    "items_seen",
+    "last_grad_norm",
+    "nonfinite_events",
+    "cycle",
+    "pending_grads",
+)
+CYCLE_KEYS = ("micro", "items", "use_items", "losses", "tags", "synced")
+_FIX = "pass what GradientAccumulator.state_dict() returned, for this model"
 
 
 @dataclass
@@ -68,3 +85,44 @@ class Cycle:
             tags=list(c["tags"]),
             synced=c["synced"],
         )
+
+
+def _keys(value: Any, keys: tuple[str, ...], prefix: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise UserError(f"accumulator state: {prefix or 'the state'}={brief(value)} is not a dict; {_FIX}")
+    missing = [prefix + k for k in keys if k not in value]
+    if missing:
+        raise UserError(f"accumulator state: no {', '.join(missing)} (a partial state?); {_FIX}")
+    return value
+
+
+def check_state(state: Any, params: list[tuple[str, Tensor]]) -> None:
+    """Whether ``state`` is one :meth:`GradientAccumulator.load_state_dict` can restore into a model with the
+    trainable ``(name, parameter)`` pairs ``params``: every key there, the counters integers, every pending gradient
+    one of these parameters' with its shape and dtype. Else one :class:`UserError` naming the key (and for a
+    gradient the parameter, the saved shape and the model's), before anything is changed."""
+    _keys(state, STATE_KEYS, "")
+    for key in ("accumulation_steps", "micro_steps", "optimizer_steps", "skipped_steps"):
+        check_int(f"accumulator state: {key}", state[key], int(key == "accumulation_steps"))
+    check_int("accumulator state: cycle.micro", _keys(state["cycle"], CYCLE_KEYS, "cycle.")["micro"], 0)
+    if not isinstance(state["nonfinite_events"], list):
+        raise UserError(f"accumulator state: nonfinite_events={brief(state['nonfinite_events'])} is not a list; {_FIX}")
+    pending = state["pending_grads"]
+    if pending is None:
+        return
+    if not isinstance(pending, dict):
+        raise UserError(f"accumulator state: pending_grads={brief(pending)} is not a dict; {_FIX}")
+    for i, grad in pending.items():
+        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < len(params):
+            raise UserError(
+                f"accumulator state: pending_grads[{brief(i)}]: this model has {len(params)} trainable parameters "
+                f"(0 to {len(params) - 1}): the state is of another model; {_FIX}"
+            )
+        name, param = params[i]
+        if not isinstance(grad, Tensor):
+            raise UserError(f"accumulator state: pending_grads[{i}] (parameter {name!r}) is not a tensor; {_FIX}")
+        if grad.shape != param.shape or grad.dtype != param.dtype:
+            raise UserError(
+                f"accumulator state: pending_grads[{i}] (parameter {name!r}): saved shape {tuple(grad.shape)} "
+                f"{grad.dtype}, this model's {tuple(param.shape)} {param.dtype}: the state is of another model; {_FIX}"
+            )

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,8 @@ __all__ = [
     "SPIKES",
     "append_event",
     "append_spike",
+    "check_shard_read",
+    "dataset_bounds",
     "event_record",
     "outliers",
     "read_exposure",
@@ -178,14 +181,41 @@ def _ints(value: Any, key: str, *, below: int | None = None) -> list[int]:
     return value
 
 
-def _tag(tag: Any, i: int) -> dict[str, Any]:
-    """One micro-batch of an event: shard and index lists of one length, ``nonfinite`` positions inside them."""
+def _id_list(ids: list[int]) -> str:
+    """``0-3, 7, 9-12``: at most 8 runs of consecutive ids, then how many in all."""
+    runs: list[list[int]] = []
+    for x in sorted(ids):
+        if runs and x == runs[-1][1] + 1:
+            runs[-1][1] = x
+        else:
+            runs.append([x, x])
+    text = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs[:8])
+    return text + (f", ... ({len(ids)} in all)" if len(runs) > 8 else "") if ids else "none"
+
+
+def _in_dataset(key: str, shards: list[int], index: list[int] | None, bounds: Mapping[int, int]) -> None:
+    """Each shard id one of the run's dataset, each example index (paired with its shard) inside that shard."""
+    for j, s in enumerate(shards):
+        if s not in bounds:
+            raise UserError(f"{key} holds {s}: the run's dataset has no shard {s} (shards: {_id_list(list(bounds))})")
+        if index is not None and index[j] >= bounds[s]:
+            raise UserError(
+                f"{key.removesuffix('shard')}index holds {index[j]}: shard {s} of the run's dataset has {bounds[s]} "
+                f"records (indices 0 to {bounds[s] - 1})"
+            )
+
+
+def _tag(tag: Any, i: int, bounds: Mapping[int, int] | None = None) -> dict[str, Any]:
+    """One micro-batch of an event: shard and index lists of one length, ``nonfinite`` positions inside them;
+    with ``bounds`` (records per shard of the run's dataset) each shard id and example index inside the dataset."""
     if not isinstance(tag, dict):
         raise UserError(f"tags[{i}]={brief(tag)} must be an object with shard, index and nonfinite")
     shard = _ints(tag.get("shard"), f"tags[{i}].shard")
     index = _ints(tag.get("index"), f"tags[{i}].index")
     if len(shard) != len(index):
         raise UserError(f"tags[{i}]: {len(shard)} shard ids but {len(index)} example indices (one per example)")
+    if bounds is not None:
+        _in_dataset(f"tags[{i}].shard", shard, index, bounds)
     flagged = tag.get("nonfinite")
     if flagged is not None:
         _ints(flagged, f"tags[{i}].nonfinite", below=len(shard))
@@ -200,11 +230,15 @@ def _grad_norm(value: Any, key: str = "grad_norm") -> float:
     return float(value)
 
 
-def _fields(record: dict[str, Any]) -> dict[str, Any]:
+def _fields(record: dict[str, Any], bounds: Mapping[int, int] | None = None) -> dict[str, Any]:
     """The event's fields, each checked (a UserError naming the key, without the file)."""
     tags = record["tags"]
     if not isinstance(tags, list):
         raise UserError(f"tags={brief(tags)} must be a list of micro-batches")
+    if "shards" in record:  # the shards in play, as written: the same checks as each micro-batch's
+        shards = _ints(record["shards"], "shards")
+        if bounds is not None:
+            _in_dataset("shards", shards, None, bounds)
     micro_steps = _ints(record["micro_steps"], "micro_steps")
     if len(micro_steps) != 2 or micro_steps[0] > micro_steps[1]:
         raise UserError(f"micro_steps={brief(micro_steps)} must be [first, last] micro-step of the cycle")
@@ -227,13 +261,13 @@ def _fields(record: dict[str, Any]) -> dict[str, Any]:
         "grad_norm": _grad_norm(record["grad_norm"]),
         "micro_steps": tuple(micro_steps),
         "nonfinite_micro_batches": tuple(_ints(record["nonfinite_micro_batches"], "nonfinite_micro_batches", below=n)),
-        "tags": tuple(_tag(t, i) for i, t in enumerate(tags)),
+        "tags": tuple(_tag(t, i, bounds) for i, t in enumerate(tags)),
         "action": record["action"],
         "reason": record["reason"],
     }
 
 
-def _event(record: Any, where: str) -> tuple[int, NonFiniteEvent]:
+def _event(record: Any, where: str, bounds: Mapping[int, int] | None = None) -> tuple[int, NonFiniteEvent]:
     """``(step, event)`` of one ledger line, every field checked; a UserError names the file, line and key."""
     if not isinstance(record, dict):
         raise UserError(f"{where}: {brief(record)} is not a non-finite event (a JSON object); {LEDGER_FIX}")
@@ -242,14 +276,17 @@ def _event(record: Any, where: str) -> tuple[int, NonFiniteEvent]:
         raise UserError(f"{where}: not a non-finite event of this version (no {', '.join(missing)}); {LEDGER_FIX}")
     try:
         step = check_int("step", record["step"], 1, maximum=MAX_ID)
-        return step, NonFiniteEvent(**_fields(record))
+        return step, NonFiniteEvent(**_fields(record, bounds))
     except UserError as err:
         raise UserError(f"{where}: {err}; {LEDGER_FIX}") from None
 
 
-def read_ledger(run_dir: str | Path, name: str = LEDGER) -> list[tuple[int, NonFiniteEvent]]:
+def read_ledger(
+    run_dir: str | Path, name: str = LEDGER, *, bounds: Mapping[int, int] | None = None
+) -> list[tuple[int, NonFiniteEvent]]:
     """Every ``(step, event)`` of the run's ledger ``name`` (:data:`LEDGER` or :data:`SPIKES`), in file order;
-    none if it has no such ledger.
+    none if it has no such ledger. With ``bounds`` (records per shard of the run's dataset:
+    :func:`dataset_bounds`) every shard id must be one of the dataset's and every example index inside its shard.
 
     A last line cut short (the process was killed in the middle of its write) is skipped with a warning
     (:func:`~steadytrain._io.read_jsonl`, the project's one rule for a torn record).
@@ -261,7 +298,7 @@ def read_ledger(run_dir: str | Path, name: str = LEDGER) -> list[tuple[int, NonF
     path = Path(run_dir) / name
     out, seen = [], {}
     for n, record in read_jsonl(path, what="spike ledger" if name == SPIKES else "non-finite ledger"):
-        step, event = _event(record, f"{path}: line {n}")
+        step, event = _event(record, f"{path}: line {n}", bounds)
         # A spike rolled back and its step number trained again on the next batch: the batch tells them apart.
         key = (step, event.rank, event.batch)
         first = seen.setdefault(key, n)
@@ -269,6 +306,32 @@ def read_ledger(run_dir: str | Path, name: str = LEDGER) -> list[tuple[int, NonF
             raise UserError(f"{path}: line {n}: step {step} of rank {event.rank} is on line {first} too; {LEDGER_FIX}")
         out.append((step, event))
     return out
+
+
+def dataset_bounds(run_dir: str | Path) -> dict[int, int] | None:
+    """Records per shard of the dataset the run trained on (``data.json``): what its ledgers' shard ids and example
+    indices are checked against. None when the run has no ``data.json``, or its data is gone or has changed since
+    (another fingerprint): the ledger's positions then cannot be judged.
+
+    Raises:
+        UserError: ``data.json`` is not JSON.
+    """
+    path = Path(run_dir) / "data.json"
+    if not path.is_file():
+        return None
+    info = load_json(path, what="data description")
+    where = info.get("path") if isinstance(info, dict) else None
+    if not isinstance(where, str) or not Path(where).is_dir():
+        return None
+    from steadytrain.data import open_dataset
+
+    try:
+        ds = open_dataset(where)
+        if info.get("fingerprint") not in (None, ds.fingerprint()):
+            return None
+    except UserError:  # a damaged index is the data's problem, told where the data is read: not the ledger's
+        return None
+    return {s.id: s.records for s in ds.shards}
 
 
 def read_exposure(run_dir: str | Path) -> dict[int, int] | None:
@@ -292,3 +355,25 @@ def read_exposure(run_dir: str | Path) -> dict[int, int] | None:
             raise UserError(f"{path}: shard {key}: {brief(count)} is not a count of examples (>= 0); {EXPOSURE_FIX}")
         out[int(key)] = count
     return out
+
+
+def check_shard_read(run_dir: str | Path, shard: int | None, command: str) -> None:
+    """A :class:`UserError` when the run never read ``shard``: ``exposure.json`` counts no example of it and no
+    ledger names it (or its dataset has no such shard). Nothing is said when the run wrote no exposure yet, or
+    without a shard."""
+    if shard is None:
+        return
+    bounds = dataset_bounds(run_dir)
+    if bounds is not None and shard not in bounds:
+        raise UserError(f"--shard {shard}: the run's dataset has no shard {shard} (shards: {_id_list(list(bounds))})")
+    exposure = read_exposure(run_dir)
+    if exposure is None or exposure.get(shard):
+        return
+    for name in (LEDGER, SPIKES):  # written before the exposure at each refused step: it covers them, but be sure
+        if any(shard in t["shard"] for _, e in read_ledger(run_dir, name) for t in e.tags):
+            return
+    read = sorted(s for s, n in exposure.items() if n)
+    raise UserError(
+        f"--shard {shard}: this run never read shard {shard} ({EXPOSURE} counts no example of it; the shards it read: "
+        f"{_id_list(read)}): give one of those (`steadytrain {command} report RUN` names the suspects)"
+    )

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from steadytrain.accumulate import NonFiniteEvent
-from steadytrain.diagnose.ledger import LEDGER, SPIKES, read_exposure, read_ledger
+from steadytrain.diagnose.ledger import LEDGER, SPIKES, dataset_bounds, read_exposure, read_ledger
 from steadytrain.diagnose.stats import binomial_sf
 from steadytrain.errors import UserError
 
@@ -221,7 +221,8 @@ def report(run_dir: str | Path, ledger: str = LEDGER) -> NonFiniteReport:
         per-rank local counts and one sentence with the numbers.
 
     Raises:
-        UserError: no such directory, or a malformed ledger or exposure file.
+        UserError: no such directory, or a malformed ledger or exposure file (a ledger's shard ids and example
+            indices are checked against the run's dataset when ``data.json`` names it and it is unchanged).
 
     Example:
         >>> import tempfile
@@ -233,7 +234,7 @@ def report(run_dir: str | Path, ledger: str = LEDGER) -> NonFiniteReport:
         raise UserError(f"{run_dir}: no such run directory")
     if ledger not in _WORDS:
         raise UserError(f"ledger={ledger!r}: use {LEDGER} or {SPIKES}")
-    events = read_ledger(run_dir, ledger)
+    events = read_ledger(run_dir, ledger, bounds=dataset_bounds(run_dir))  # positions inside the run's data
     exposure = read_exposure(run_dir)
     steps = _by_step(events)
     ranks = {r: 0 for r in sorted({e.rank for _, e in events})}

@@ -27,7 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from steadytrain._io import brief, load_yaml, one_line, read_text
+from steadytrain._io import brief, one_line, read_text
+from steadytrain._yamlio import load_yaml
 from steadytrain.env import grammar
 from steadytrain.env._schema import as_dict
 from steadytrain.env.lockfile import canonical_name, parse_lockfile

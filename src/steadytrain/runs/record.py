@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from steadytrain._io import load_json, load_yaml, one_line
+from steadytrain._io import load_json, one_line
 from steadytrain._mapping import flatten
+from steadytrain._yamlio import load_yaml
 from steadytrain.diagnose import read_ledger
 from steadytrain.diagnose.ledger import SPIKES
 from steadytrain.env import EnvManifest

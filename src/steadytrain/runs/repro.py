@@ -159,6 +159,8 @@ def repro(run: str | Path, steps: int | None = None, *, out: str | Path | None =
     if steps is not None:
         check_int("steps", steps)
     rec = load_run(run)
+    if out is not None and os.path.lexists(out):  # train's own refusal would speak of --resume, a flag repro lacks
+        raise UserError(f"--out {one_line(os.fspath(out))} exists: give a new directory for the re-run (never reused)")
     if out is None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise UserError("under torchrun give --out DIR: a new directory every rank can reach (no shared temp dir)")
     if not rec.metrics:

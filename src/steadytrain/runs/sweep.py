@@ -171,6 +171,24 @@ def _sweep_dir(path: str | Path) -> Path:
     return ensure_dir(path, "--sweep-dir")
 
 
+SWEEP_FILES = ("sweep.json", "sweep.md", "loss_vs_lr.png")
+
+
+def _check_new(path: Path) -> None:
+    """A sweep directory that holds an earlier sweep (its files or trials) is refused: the table, the plot and the
+    verdict would be replaced by those of trials that never ran beside the earlier ones."""
+    try:
+        earlier = sorted(p.name for p in path.iterdir() if p.name in SWEEP_FILES or p.name.startswith("lr-x"))
+    except OSError:  # absent (created), or not a directory (ensure_dir says so)
+        return
+    if earlier:
+        shown = ", ".join(earlier[:3]) + (", ..." if len(earlier) > 3 else "")
+        raise UserError(
+            f"--sweep-dir {brief(str(path))}: {shown} {'exists' if len(earlier) == 1 else 'exist'} (an earlier "
+            "sweep): give another --sweep-dir (a sweep never adds to or replaces another)"
+        )
+
+
 def _trial(trial_cfg: Any, factor: float, where: Path) -> dict[str, Any]:
     from steadytrain.train.loop import Interrupted, TrainingStopped, train
 
@@ -271,7 +289,7 @@ def sweep(cfg: Any, factors: list[float], steps: int, sweep_dir: str | Path) -> 
 
     Raises:
         UserError: factors a sweep cannot run (:func:`check_factors`), a trial config or LR that is not
-            valid, a trial directory that exists, a ``sweep_dir`` that cannot be a directory; all before
+            valid, a ``sweep_dir`` holding an earlier sweep, a ``sweep_dir`` that cannot be a directory; all before
             the first trial trains.
         Interrupted: SIGINT/SIGTERM during a trial (``exit_code`` 130/143): no further trial starts.
     """
@@ -283,6 +301,7 @@ def sweep(cfg: Any, factors: list[float], steps: int, sweep_dir: str | Path) -> 
     check_int("steps", steps)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     estimate, scale_up = linear_estimate(cfg, world)
+    _check_new(Path(sweep_dir))
     configs = _trial_configs(cfg, factors, steps, Path(sweep_dir), world)
     root = _sweep_dir(sweep_dir)
     trials = []
