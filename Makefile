@@ -18,6 +18,7 @@ $(STAMP): pyproject.toml
 
 run: $(STAMP)
 	$(BIN)/steadytrain train --run-dir runs/default-$$(date +%Y%m%d-%H%M%S)
+	@echo "the steadytrain command is in $(BIN): run \`. $(BIN)/activate\` or call $(BIN)/steadytrain"
 
 test: $(STAMP)
 	$(BIN)/python -m pytest

@@ -65,9 +65,9 @@ def configs(model: str, steps: int, data_dir: Path) -> list[str]:
     common = [f"run.max_steps={steps}", f"run.log_every={LOG_EVERY}", f"checkpoint.every_steps={steps + 1}"]
     if model == "tiny-lm":  # the embedded default: tiny-lm on the standard library's source, with held-out
         return [*common, f"eval.every_steps={steps + 1}"]  # shards evaluated once, after the timed steps
-    path = tabular_data(data_dir / "tabular")
+    path = tabular_data(data_dir / "tabular")  # no validation hold-out: every shard, as the hand-written loop
     return [*common, "model.name=tabular", f"data.path={path}", "batch.micro_batch_size=256",
-            "batch.global_batch_size=1024", "batch.base_batch_size=1024"]  # fmt: skip
+            "batch.global_batch_size=1024", "batch.base_batch_size=1024", "eval.holdout_fraction=null"]  # fmt: skip
 
 
 def per_step(times: list[float], skip: int) -> float:

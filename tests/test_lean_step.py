@@ -53,7 +53,8 @@ def text_data(tmp_path_factory) -> Path:
 def reads_per_step(tmp_path: Path, data: Path, monkeypatch, *extra: str) -> dict[int, int]:
     overrides = [
         *TINY, f"data.path={data}", f"run.max_steps={STEPS}", f"run.log_every={LOG_EVERY}",
-        "checkpoint.every_steps=1000", "checkpoint.async=false", "data.num_workers=1", *extra,
+        "checkpoint.every_steps=1000", "checkpoint.async=false", "data.num_workers=1",
+        "eval.holdout_fraction=null", *extra,  # no evaluation: no step evaluates (the last would, by default)
     ]  # fmt: skip
     cfg = load_config(None, overrides)
     mode, per_step = HostReads(), {}

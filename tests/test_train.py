@@ -126,6 +126,7 @@ def test_run_writes_every_file_with_a_falling_loss_and_the_warmup_schedule(tmp_p
         "skipped",
         "items",
         "items_per_s",
+        "step_s",  # the step's own time (evaluation and checkpoints timed apart)
         "elapsed_s",
         "tokens_per_s",
         "flops_per_s",

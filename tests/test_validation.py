@@ -160,7 +160,7 @@ def test_the_validation_loss_is_a_hand_written_evaluation_of_the_checkpoint(tmp_
 def test_evaluation_does_not_perturb_training(tmp_path, data, other, models):
     # Dropout and a random draw in every forward: evaluation must restore the mode and every RNG stream.
     items = [*BATCH, f"data.path={data}", "run.max_steps=6", "model.name=valmodels:noisy"]
-    train(tmp_path / "off", *items, PYTHONPATH=str(models))
+    train(tmp_path / "off", *items, "eval.holdout_fraction=null", PYTHONPATH=str(models))  # no validation set
     train(tmp_path / "on", *items, f"eval.data={other}", "eval.every_steps=1", PYTHONPATH=str(models))
     off, on = metrics(tmp_path / "off"), metrics(tmp_path / "on")
     assert [r["loss"] for r in on] == [r["loss"] for r in off]
@@ -276,7 +276,7 @@ def test_a_validation_set_the_run_cannot_use_is_refused_before_anything_is_writt
         (["eval.holdout_shards=true"], "eval.holdout_shards", "not a number"),
         (["eval.holdout_shards=8"], "leaves none to train on"),
         ([f"eval.data={wrong}", "eval.holdout_shards=1"], "not both"),
-        (["eval.patience=2"], "no validation set"),
+        (["eval.holdout_fraction=null", "eval.patience=2"], "no validation set"),
     ]
     for extra, *words in cases:
         proc = run_cli("train", "--run-dir", str(tmp_path / "run"), *sets(*base, *extra))
@@ -286,7 +286,7 @@ def test_a_validation_set_the_run_cannot_use_is_refused_before_anything_is_writt
 
 def test_eval_command_on_another_dataset_and_its_errors(tmp_path, data, other):
     run = tmp_path / "run"
-    train(run, *TINY, f"data.path={data}", "run.max_steps=2")  # no eval section
+    train(run, *TINY, f"data.path={data}", "run.max_steps=2", "eval.holdout_fraction=null")  # no validation set
     assert_user_error(run_cli("eval", str(run)), "no validation set", "--data")
     proc = run_cli("eval", str(run), "--data", str(other), "--json")
     assert proc.returncode == 0, proc.stderr

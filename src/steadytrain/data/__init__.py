@@ -20,6 +20,7 @@ from steadytrain.data.format import (
     ShardInfo,
     open_dataset,
 )
+from steadytrain.data.holdout import RowFilter, holdout_records
 from steadytrain.data.ingest import IngestError, IngestResult, ingest
 from steadytrain.data.loader import DataWorkerError, MicroBatchLoader
 from steadytrain.data.provenance import (
@@ -47,6 +48,7 @@ __all__ = [
     "IngestResult",
     "MicroBatchLoader",
     "PolicyCounts",
+    "RowFilter",
     "Schema",
     "SchemaError",
     "SchemaViolationError",
@@ -59,6 +61,7 @@ __all__ = [
     "collate_examples",
     "global_batch",
     "healthy_shards",
+    "holdout_records",
     "holdout_shards",
     "infer_schema",
     "ingest",

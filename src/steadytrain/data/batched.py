@@ -38,6 +38,7 @@ from steadytrain._io import brief
 from steadytrain.data.columnar import concat_columns, split_columns, to_columns
 from steadytrain.data.columns import ColumnGuard, check_reader_args, select_shards
 from steadytrain.data.format import Dataset, DatasetError, open_dataset
+from steadytrain.data.holdout import RowFilter
 from steadytrain.data.order import GlobalLayout, check_layout_fits, epoch_windows, window_permutation
 from steadytrain.data.policy import PolicyCounts, apply_policy
 from steadytrain.data.transform import Transform, apply_transform
@@ -66,6 +67,8 @@ class BatchedDataset(IterableDataset):
         verify: check each shard's sha256 once per process before reading it.
         shuffle_window: shards whose rows are shuffled together (memory: this many shards; default 8).
         transform: ``transform(mb) -> mb``, a vectorized hook applied to every micro-batch.
+        rows: a :class:`~steadytrain.data.holdout.RowFilter`: only the rows it lets through are read (records
+            held out for validation), selected by stored row index after the load-time policy.
 
     Raises:
         UserError: a bad argument (named, with the fix); DatasetError: shards not in the index, or
@@ -89,6 +92,7 @@ class BatchedDataset(IterableDataset):
         verify: bool = True,
         shuffle_window: int | None = None,
         transform: Transform | None = None,
+        rows: RowFilter | None = None,
     ) -> None:
         super().__init__()
         check_reader_args(
@@ -104,8 +108,9 @@ class BatchedDataset(IterableDataset):
         window = DEFAULT_SHUFFLE_WINDOW if shuffle_window is None else shuffle_window
         self.window = check_int("shuffle_window", window)
         self.schema, self.policy, self.transform, self.verify = schema, policy, transform, bool(verify)
+        self.rows = rows
         self.columns = ColumnGuard(self.dataset, self.shard_ids, verify=self.verify)
-        self.fingerprint = self.dataset.fingerprint(self.shard_ids)
+        self.fingerprint = self.dataset.fingerprint(self.shard_ids) + (f"+rows-{rows.digest()}" if rows else "")
         self.counts = PolicyCounts()  # rows dropped / clamped by the load-time policy, per field and kind
         self._rows = self._row_counts()
         total = sum(self._rows.values())
@@ -146,7 +151,8 @@ class BatchedDataset(IterableDataset):
     def _row_counts(self) -> dict[int, int]:
         """Rows per shard as the order sees them (after a policy that may drop rows)."""
         if self.schema is None or self.policy == "raise":
-            return {sid: self.dataset.shard(sid).records for sid in self.shard_ids}
+            records = {sid: self.dataset.shard(sid).records for sid in self.shard_ids}
+            return {sid: self.rows.count(sid, n) for sid, n in records.items()} if self.rows else records
         log.info("counting the rows the %s policy keeps in %d shards", self.policy, len(self.shard_ids))
         return {sid: self._read(sid, count=False).num_rows for sid in self.shard_ids}
 
@@ -157,6 +163,9 @@ class BatchedDataset(IterableDataset):
             table, indices, counts = apply_policy(table, self.schema, self.policy, shard=sid)
             if count:
                 self.counts.add(counts)
+        if self.rows is not None:
+            mask = self.rows.passes(sid, indices)
+            table, indices = table.filter(pa.array(mask)), indices[mask]
         table = table.append_column("shard", pa.array(np.full(table.num_rows, sid, dtype=np.int64)))
         return table.append_column("index", pa.array(indices, type=pa.int64()))
 
@@ -341,13 +350,15 @@ def global_batch(
     schema: Any = None,
     policy: str = "raise",
     transform: Transform | None = None,
+    rows: RowFilter | None = None,
 ) -> dict[str, Any]:
     """The exact examples of optimizer step ``step``, on one process (replay a step of any world size).
 
     ``step`` counts optimizer steps from the start of training; with ``epoch`` it counts within that
     epoch. The result holds the step's ``global_batch_size`` examples (``shard``, ``index`` included)
     in global order; every rank's micro-batches of that step together are exactly these examples
-    (with ``transform``, the training run's ``data.transform``, applied to them as one micro-batch).
+    (with ``transform``, the training run's ``data.transform``, applied to them as one micro-batch; with
+    ``rows``, the run's filter of records held out for validation, read as training read them).
     """
     check_int("step", step, 0)
     ds = BatchedDataset(
@@ -360,6 +371,7 @@ def global_batch(
         schema=schema,
         policy=policy,
         transform=transform,
+        rows=rows,
     )
     ds.seek(step, epoch=epoch)
     return next(iter(ds))

@@ -23,6 +23,7 @@ from steadytrain._check import check_int
 from steadytrain.data.batched import BatchedDataset
 from steadytrain.data.columns import ColumnGuard, schema_differences
 from steadytrain.data.format import DatasetError, open_dataset
+from steadytrain.data.holdout import RowFilter
 from steadytrain.errors import UserError
 
 __all__ = ["EvalSet", "holdout_shards", "rank_slice"]
@@ -69,14 +70,20 @@ class EvalSet:
         max_examples: int | None = None,
         schema: Any = None,
         policy: str = "raise",
+        rows: RowFilter | None = None,
     ) -> None:
+        """``rows``: read only the rows this filter lets through (records held out of the training shards;
+        ``shards`` absent: the shards it names)."""
         check_int("batch_size", batch_size)
         dataset = open_dataset(path)
+        if shards is None and rows is not None and rows.keep:
+            shards = [s for s in rows.rows if len(rows.rows[s])]
         chosen = sorted(dataset.shard_ids) if shards is None else sorted(shards)
-        if not chosen or sum(dataset.shard(s).records for s in chosen) == 0:
+        count = (lambda s: rows.count(s, dataset.shard(s).records)) if rows else (lambda s: dataset.shard(s).records)
+        if not chosen or sum(count(s) for s in chosen) == 0:
             raise DatasetError(f"{dataset.path}: the validation set has no examples (shards {chosen})")
         self._data = BatchedDataset(
-            dataset, shards=chosen, batch_size=1, shuffle=False, schema=schema, policy=policy
+            dataset, shards=chosen, batch_size=1, shuffle=False, schema=schema, policy=policy, rows=rows
         )  # the global order, read through the one batched reader; this rank's ranges are chosen below
         total = self._data.num_examples
         self.num_examples = total if max_examples is None else min(total, check_int("max_examples", max_examples))

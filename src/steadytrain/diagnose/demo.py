@@ -92,6 +92,7 @@ def train_config(data: Path, *, lr_too_high: bool = False, epochs: int = 2) -> d
         },
         "nonfinite": {"policy": "skip", "max_consecutive_skips": 10},
         "checkpoint": {"every_steps": 10, "keep_last": 1000},
+        "eval": {"holdout_fraction": None},  # every shard trained on: the scenario places its shards itself
         "run": {"max_steps": None, "epochs": epochs, "log_every": 10},
     }
     if lr_too_high:  # plain SGD, no clipping, an LR that makes the weights explode within a few steps

@@ -39,7 +39,7 @@ from steadytrain.data import (
     provenance_differences,
 )
 from steadytrain.diagnose._hooks import Probe
-from steadytrain.diagnose.ledger import LEDGER, SPIKES, read_ledger
+from steadytrain.diagnose.ledger import LEDGER, SPIKES, check_shard_read, dataset_bounds, read_ledger
 from steadytrain.diagnose.outliers import REFERENCE_SHARDS, example_losses, loss_outliers
 from steadytrain.errors import UserError
 
@@ -237,7 +237,7 @@ def _fields(ds: Any, shard: int, examples: list[int], schema: Any) -> list[dict[
 
 
 def _first_event_step(run_dir: Path, shard: int | None, ledger: str = LEDGER) -> int | None:
-    events = read_ledger(run_dir, ledger)
+    events = read_ledger(run_dir, ledger, bounds=dataset_bounds(run_dir))
     mine = [s for s, e in events if shard is None or any(shard in t["shard"] for t in e.tags)]
     return min(mine or [s for s, _ in events], default=None)
 
@@ -300,7 +300,7 @@ def hunt(
         A :class:`HuntReport`.
 
     Raises:
-        UserError: no such run, shard or checkpoint; neither ``shard`` nor ``step``.
+        UserError: no such run, shard (or one the run never read) or checkpoint; neither ``shard`` nor ``step``.
     """
     run_dir = Path(run_dir)
     if kind not in ("nonfinite", "spike"):
@@ -312,6 +312,7 @@ def hunt(
         )
     if step is not None and step < 1:
         raise UserError(f"step={step}: optimizer steps count from 1 (as metrics.jsonl and the ledger do)")
+    check_shard_read(run_dir, shard, command)  # a shard the run never read has nothing to say about it
     before = (
         step - 1 if step is not None else _first_event_step(run_dir, shard, LEDGER if kind == "nonfinite" else SPIKES)
     )
@@ -370,6 +371,7 @@ def _step_batch(settings: dict[str, Any], step: int) -> dict[str, Any]:
         schema=settings["schema"],
         policy=settings["policy"],
         transform=settings.get("transform"),
+        rows=settings.get("rows"),  # records held out for validation: never in a step
     )
 
 

@@ -97,6 +97,7 @@ def train_config(data: Path, *, steps: int, policy: str = "rollback", window: in
         },
         "spike": {"policy": policy, "window": window},
         "checkpoint": {"every_steps": 10, "keep_last": 2},
+        "eval": {"holdout_fraction": None},  # every shard trained on: one shard per global batch, as placed
         "run": {"max_steps": steps, "log_every": 10},
     }
 

@@ -25,6 +25,7 @@ __all__ = [
     "compare_plot",
     "grad_norm_plot",
     "is_ours",
+    "loss_figure",
     "loss_plot",
     "lr_plot",
     "sweep_plot",
@@ -114,7 +115,12 @@ def applied_losses(rec: RunRecord) -> list[float | None]:
 
 
 def loss_plot(rec: RunRecord, path: Path) -> Path:
-    """Raw and smoothed training loss; skipped (non-finite) steps, loss spikes and rollbacks marked; the
+    """:func:`loss_figure`, written to ``path``."""
+    return _save(loss_figure(rec), path)
+
+
+def loss_figure(rec: RunRecord) -> Any:
+    """Raw and smoothed training loss; skipped (non-finite) steps, loss spikes, rollbacks and resumes marked; the
     validation loss beside it, its best step marked."""
     fig = _figure()
     ax = fig.add_subplot()
@@ -125,9 +131,7 @@ def loss_plot(rec: RunRecord, path: Path) -> Path:
     skipped = [r["step"] for r in rec.metrics if r.get("skipped") and r["step"] not in spikes]
     _mark_steps(ax, skipped, f"skipped non-finite step ({len(skipped)})", "tab:red", "x")
     _mark_steps(ax, sorted(spikes), f"loss spike ({len(spikes)})", "tab:purple", "^")
-    for i, row in enumerate(rec.rollbacks):  # the steps trained again after going back
-        ax.axvspan(row["rollback_to"], row["step"], color="tab:purple", alpha=0.12, linewidth=0,
-                   label=f"rolled back ({len(rec.rollbacks)})" if i == 0 else None)  # fmt: skip
+    _mark_restarts(ax, rec)
     if rec.evals:
         val = [r.get("val_loss") for r in rec.evals]
         ax.plot(*_points([r["step"] for r in rec.evals], val), color="tab:orange", marker="o", markersize=3,
@@ -141,7 +145,25 @@ def loss_plot(rec: RunRecord, path: Path) -> Path:
     ax.set(xlabel=STEP, ylabel="loss (mean per example)", title=f"{_label(rec.name)}: {title}")
     ax.grid(alpha=0.3)
     ax.legend(loc="upper right")
-    return _save(fig, path)
+    return fig
+
+
+def _mark_restarts(ax: Any, rec: RunRecord) -> None:
+    """Spike rollbacks (the steps trained again shaded, a dashed line at the step each went back from, labelled
+    ``S→C``) and resumes (a dash-dotted line at each resume's step, from ``resumes.jsonl``)."""
+    top = ax.get_xaxis_transform()
+    for i, row in enumerate(rec.rollbacks):  # the steps trained again after going back
+        ax.axvspan(row["rollback_to"], row["step"], color="tab:purple", alpha=0.12, linewidth=0,
+                   label=f"rolled back ({len(rec.rollbacks)})" if i == 0 else None)  # fmt: skip
+    if rec.rollbacks:
+        ax.vlines([r["step"] for r in rec.rollbacks], 0, 1, transform=top, colors="tab:purple", linestyles="--",
+                  linewidth=1, gid="rollbacks")  # fmt: skip
+        for row in rec.rollbacks:
+            ax.annotate(f"{row['step']}→{row['rollback_to']}", (row["step"], 0.97), xycoords=top, fontsize=7,
+                        color="tab:purple", ha="right", va="top", rotation=90)  # fmt: skip
+    if rec.resumes:
+        ax.vlines([r["step"] for r in rec.resumes], 0, 1, transform=top, colors="0.3", linestyles="-.",
+                  linewidth=1, label=f"resumed ({len(rec.resumes)})", gid="resumes")  # fmt: skip
 
 
 def schedule_steps(total: int, warmup: int, points: int = PLANNED_POINTS) -> list[int]:
@@ -218,12 +240,13 @@ def grad_norm_plot(rec: RunRecord, path: Path) -> Path:
 
 
 def throughput_plot(rec: RunRecord, path: Path) -> Path:
-    """Examples per second of each optimizer step."""
+    """Examples per second of each optimizer step: its own time, evaluation and checkpoints left out (``step_s``; a
+    run written before steadytrain set that time aside shows a dip after each evaluation)."""
     fig = _figure()
     ax = fig.add_subplot()
     ax.plot(*_points(rec.steps, rec.column("items_per_s")), color="tab:cyan", linewidth=1.5, label="per step")
     ax.plot(*_points(rec.steps, smooth(rec.column("items_per_s"))), color="tab:blue", linewidth=2, label="smoothed")
-    ax.set(xlabel=STEP, ylabel="throughput (examples / s, all ranks)", title=f"{_label(rec.name)}: throughput")
+    ax.set(xlabel=STEP, ylabel="throughput (examples / s, all ranks)", title=f"{_label(rec.name)}: training throughput")
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")

@@ -20,7 +20,7 @@ from steadytrain._io import brief
 from steadytrain.errors import UserError
 from steadytrain.train.runschema import KINDS, MAX_DEPTH, check_depth, check_fields
 
-__all__ = ["MAX_SHARD_ID", "check_state"]
+__all__ = ["MAX_SHARD_ID", "check_resumable", "check_state"]
 
 MAX_SHARD_ID = 2**31 - 1
 """The largest shard id an exposure count may name (a dataset's ids are far below; the counts are held in an
@@ -68,6 +68,9 @@ REQUIRED: dict[str, str] = {
     "model": "mapping",
     "optimizer": "mapping",
     "train.step": "count",
+}
+"""Keys every checkpoint has had, and the kind of each."""
+RESUMABLE: dict[str, str] = {
     "train.scheduler": "mapping",
     "train.scheduler.last_epoch": "count",
     "train.scheduler.base_lrs": "finite numbers",
@@ -75,7 +78,7 @@ REQUIRED: dict[str, str] = {
     "train.data": "mapping",
     "train.data.epoch": "count",
 }
-"""Keys every checkpoint has had, and the kind of each."""
+"""What a training run resumes from (a checkpoint written by the library alone may hold the step only)."""
 OPTIONAL: dict[str, str] = {
     "train.epoch": "count",
     "train.consecutive_skips": "count",
@@ -127,6 +130,7 @@ def check_state(state: dict[str, Any], where: str) -> dict[str, Any]:
     """
     check_depth(state, where, MAX_DEPTH)
     _check(state, REQUIRED, where, required=True, nullable=False)
+    _check(state, RESUMABLE, where, required=False, nullable=False)
     _check(state, OPTIONAL, where, required=False, nullable=True)
     train = state["train"]
     if train["step"] != state["step"]:
@@ -146,3 +150,9 @@ def check_state(state: dict[str, Any], where: str) -> dict[str, Any]:
     except UserError as err:
         raise UserError(f"{where}: {err}; {FIX}") from None
     return state
+
+
+def check_resumable(train: dict[str, Any], where: str) -> None:
+    """A UserError naming ``where`` and the key unless ``train`` (a checked state's ``train``) holds what a
+    training run resumes from: the scheduler, accumulator and data states."""
+    _check({"train": train}, RESUMABLE, where, required=True, nullable=False)

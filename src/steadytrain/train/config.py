@@ -14,7 +14,9 @@ from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from steadytrain._io import brief, load_yaml, parse_yaml
+from steadytrain._check import MAX_SEQ_LEN
+from steadytrain._io import brief
+from steadytrain._yamlio import load_yaml, parse_yaml
 from steadytrain.errors import UserError
 from steadytrain.schedule import MAX_COUNT
 
@@ -24,6 +26,10 @@ __all__ = ["TrainConfig", "apply_overrides", "error_line", "load_config"]
 DEFAULT_EVAL = {"holdout_shards": 2, "every_steps": 25, "max_batches": 32}
 """The embedded default run's validation: 2 shards of its corpus held out, evaluated every 25 steps on
 their first 32 micro-batches (512 sequences: a fraction of a second)."""
+DEFAULT_USER_EVAL = {"holdout_fraction": 0.05, "every_steps": 25, "max_batches": 32}
+"""A ``data.path`` dataset's validation when the config names no source (``eval.data``, ``eval.holdout_shards``,
+``eval.holdout_fraction``; one set to null: none): 5% of it held out, evaluated as the embedded default run is."""
+_EVAL_SOURCES = ("data", "holdout_shards", "holdout_fraction")
 
 
 def _numeric(annotation: Any) -> bool:
@@ -89,7 +95,7 @@ class DataConfig(_Section):
     """What a schema violation does at load time."""
     shuffle_window: int = Field(default=8, ge=1)
     """Shards whose rows are shuffled together (memory: this many decoded shards)."""
-    seq_len: int = Field(default=128, ge=8, le=4096)
+    seq_len: int = Field(default=128, ge=8, le=MAX_SEQ_LEN)
     """Tokens per sequence of the embedded corpus and tiny-lm's context (``data ingest`` datasets set their own)."""
     num_workers: int | None = Field(default=None, ge=0, le=256)
     """Background worker processes reading micro-batches; absent: 2 on a machine with more than 2 cores, else 0."""
@@ -195,9 +201,11 @@ class SpikeConfig(_Section):
     """A spike exceeds the window's median by more than this many median absolute deviations ... (clean runs
     measured here reach 16: bench/spike_stats.py)"""
     min_ratio: float = Field(default=2.0, ge=0, allow_inf_nan=False)
-    """... and is at least this many times the median (a flat curve's tiny MAD alone does not make a spike)."""
+    """... and is at least this many times the median, 1 or more (a flat curve's tiny MAD alone does not make a
+    spike)."""
     skip_batches: int = Field(default=1, ge=1, le=MAX_COUNT)
-    """``rollback``: global batches skipped, those of the steps that ended at the spike."""
+    """``rollback`` only: global batches skipped, those of the steps that ended at the spike (at most
+    ``run.max_steps``)."""
     max_rollbacks: int = Field(default=3, ge=1, le=MAX_COUNT)
     """``rollback``: stop the run (exit non-zero, report written) at the spike that would need one more."""
 
@@ -210,6 +218,16 @@ class SpikeConfig(_Section):
                 "true (YAML reads on/yes/true as a flag) is not a policy: give off, warn, skip or rollback"
             )
         return "off" if value is False else value
+
+    @field_validator("min_ratio")
+    @classmethod
+    def _ratio(cls, value: float) -> float:
+        if value < 1:
+            raise ValueError(
+                f"{value:g} is below 1: a spike is at least min_ratio times the median, which below 1 adds nothing "
+                "to the threshold; give 1 to judge by spike.threshold alone, or more (the default 2)"
+            )
+        return value
 
 
 class EnvConfig(_Section):
@@ -233,9 +251,15 @@ class CheckpointConfig(_Section):
 
 class EvalConfig(_Section):
     data: str | None = None
-    """A validation dataset directory (same format as ``data.path``); or ``holdout_shards``."""
+    """A validation dataset directory (same format as ``data.path``); or ``holdout_shards``/``holdout_fraction``."""
     holdout_shards: int | None = Field(default=None, ge=1)
     """Shards of the training dataset held out for validation (chosen from ``run.seed``, never trained on)."""
+    holdout_fraction: float | None = Field(default=None, gt=0, lt=1)
+    """A fraction of the training data held out for validation (chosen from ``run.seed``, never trained on): whole
+    shards (``floor(fraction x shards)``) when that is at least one, else that fraction of the records; none, said at
+    start, when the rest would not fill a global batch. A ``data.path`` dataset with none of ``eval.data``,
+    ``eval.holdout_shards``, ``eval.holdout_fraction`` holds out ``0.05``, evaluated as the embedded default run is
+    (set one of them to ``null`` for no validation)."""
     every_steps: int | None = Field(default=None, ge=1)
     """Optimizer steps between evaluations (one always runs at the end)."""
     max_batches: int | None = Field(default=None, ge=1)
@@ -247,12 +271,13 @@ class EvalConfig(_Section):
 
     @property
     def enabled(self) -> bool:
-        return self.data is not None or self.holdout_shards is not None
+        return any(getattr(self, k) is not None for k in _EVAL_SOURCES)
 
     @model_validator(mode="after")
     def _one_source(self) -> EvalConfig:
-        if self.data is not None and self.holdout_shards is not None:
-            raise ValueError("give data or holdout_shards, not both (set the other to null)")
+        given = [k for k in _EVAL_SOURCES if getattr(self, k) is not None]
+        if len(given) > 1:
+            raise ValueError(f"give {' or '.join(given)}, not both (set the other to null)")
         return self
 
 
@@ -318,17 +343,35 @@ class TrainConfig(_Section):
 
     @model_validator(mode="after")
     def _default_validation(self) -> TrainConfig:
-        # The embedded default run holds out part of its corpus, so `steadytrain train` shows both curves.
+        # Part of the data is held out unless the config says otherwise, so `steadytrain train` shows both curves:
+        # 2 shards of the embedded corpus, 5% of a user's dataset (how: decided on the dataset, see setup.holdout).
         e = self.eval
         if e.enabled:
             return self
         given = {k: getattr(e, k) for k in e.model_fields_set}
-        if self.data.path is None and "holdout_shards" not in e.model_fields_set:
-            object.__setattr__(self, "eval", EvalConfig(**{**DEFAULT_EVAL, **given}))
+        if not e.model_fields_set & set(_EVAL_SOURCES):
+            defaults = DEFAULT_EVAL if self.data.path is None else DEFAULT_USER_EVAL
+            object.__setattr__(self, "eval", EvalConfig(**{**defaults, **given}))
         elif others := sorted(k for k, v in given.items() if v is not None):
             raise ValueError(
-                f"eval.{others[0]} is set but there is no validation set: give eval.data (a dataset directory) "
-                "or eval.holdout_shards (shards of the training data to hold out)"
+                f"eval.{others[0]} is set but there is no validation set: give eval.data (a dataset directory), "
+                "eval.holdout_shards (shards of the training data to hold out) or eval.holdout_fraction"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _skip_reachable(self) -> TrainConfig:
+        """``spike.skip_batches`` that can never roll back: set for another policy, or beyond every step."""
+        sp, steps = self.spike, self.run.max_steps
+        if sp.skip_batches != 1 and sp.policy != "rollback":  # 1: the default, in every resolved config.yaml
+            raise ValueError(
+                f"spike.skip_batches={sp.skip_batches} is used only by spike.policy=rollback (here {sp.policy}): "
+                "no batch would be skipped; set spike.policy=rollback, or remove spike.skip_batches"
+            )
+        if sp.policy == "rollback" and steps is not None and sp.skip_batches > steps:  # a spike at S needs S >= it
+            raise ValueError(
+                f"spike.skip_batches={sp.skip_batches} reaches back before the start from every one of the run's "
+                f"{steps} steps (run.max_steps): no spike could roll back; give at most {steps}"
             )
         return self
 

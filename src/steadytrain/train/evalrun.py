@@ -19,6 +19,7 @@ from steadytrain.train.checkpoint import checkpoint_at, restore
 from steadytrain.train.config import TrainConfig, load_config
 from steadytrain.train.distributed import DistInfo, init_distributed, teardown, wrap_model
 from steadytrain.train.evaluate import evaluate
+from steadytrain.train.holdout import HeldOut, holdout
 from steadytrain.train.models import build_model
 from steadytrain.train.rundir import RunDir, open_run_dir
 from steadytrain.train.runschema import check_plan
@@ -26,7 +27,6 @@ from steadytrain.train.setup import (
     build_dataset,
     build_evalset,
     data_path,
-    eval_shards,
     fsdp_policy,
     model_context,
     resolve_plan,
@@ -35,30 +35,33 @@ from steadytrain.train.setup import (
 __all__ = ["evaluate_run"]
 
 
-def _held_out(cfg: TrainConfig, run: RunDir, path: Path) -> list[int] | None:
-    """The shards the run held out: ``plan.json``'s list, or the same draw from ``run.seed`` where the plan
-    does not record it (never None for a holdout run: that would evaluate on training shards too)."""
-    if not cfg.eval.holdout_shards:
+def _held_out(run: RunDir, held: HeldOut) -> list[int] | None:
+    """The shards the run held out: ``plan.json``'s list, or the same draw from ``run.seed`` (``held``) where the
+    plan does not record it (never None for a run that held shards out: that would evaluate on training shards)."""
+    if not held.shards:
         return None
     plan = load_json(run.plan, what="batch plan") if run.plan.exists() else {}
     if not isinstance(plan, dict):
         raise UserError(f"{run.plan}: {brief(plan)} is not a batch plan (a JSON object): the run directory is damaged")
     saved = check_plan(plan, str(run.plan)).get("eval_shards")
-    return saved if saved is not None else eval_shards(cfg, path)
+    return saved if saved is not None else held.shards
 
 
 def _evalset(cfg: TrainConfig, run: RunDir, info: DistInfo, data: Path | None) -> Any:
-    """The validation set the run used (its held-out shards or ``eval.data``), or ``data`` in its place."""
+    """The validation set the run used (its held-out shards or records, or ``eval.data``), or ``data`` in its place."""
     path = data_path(cfg)
-    held_out = _held_out(cfg, run, path)
-    k = resolve_plan(cfg, info.world_size, None).accumulation_steps
-    training = build_dataset(cfg, path, info, k, held_out)
+    layout = resolve_plan(cfg, info.world_size, None)
+    held = holdout(cfg, path, layout.global_batch_size)  # the run's own draw
+    shards, rows = _held_out(run, held), held.rows
+    training = build_dataset(cfg, path, info, layout.accumulation_steps, shards, rows=held.training_rows)
     if data is not None:
-        cfg = cfg.model_copy(update={"eval": cfg.eval.model_copy(update={"data": str(data), "holdout_shards": None})})
-        held_out = None
-    elif not cfg.eval.enabled:
-        raise UserError("the run has no validation set (no eval section): give one with --data PATH")
-    return build_evalset(cfg, path, held_out, info, training)
+        none = {"data": str(data), "holdout_shards": None, "holdout_fraction": None}
+        cfg = cfg.model_copy(update={"eval": cfg.eval.model_copy(update=none)})
+        shards, rows = None, None
+    elif not cfg.eval.enabled or (cfg.eval.data is None and held.empty):
+        why = held.note.removeprefix("validation: none: ") if held.note else "no eval section"
+        raise UserError(f"the run has no validation set ({why}): give one with --data PATH")
+    return build_evalset(cfg, path, shards, info, training, rows=rows)
 
 
 def evaluate_run(run_dir: str | Path, *, step: int | None = None, data: str | Path | None = None) -> dict[str, Any]:

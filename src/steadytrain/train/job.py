@@ -80,6 +80,8 @@ class Job:
     """Why a run that succeeded ended before its last planned step (early stopping)."""
     compiled: Any = None
     """What ``model.compile`` compiled (a :class:`~steadytrain.train.speed.CompiledModel`), or None."""
+    held_out: Any = None
+    """What the run holds out of its data for validation (a :class:`~steadytrain.train.holdout.HeldOut`)."""
 
     @property
     def compile_s(self) -> float | None:

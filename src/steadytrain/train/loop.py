@@ -25,10 +25,11 @@ from steadytrain.train import runfiles
 from steadytrain.train.checkpoint import latest_checkpoint, restore, state_file
 from steadytrain.train.ckptsave import CheckpointFailed, CheckpointWriter
 from steadytrain.train.config import TrainConfig
-from steadytrain.train.distributed import DistInfo, init_distributed, teardown, wrap_model
+from steadytrain.train.distributed import DistInfo, init_distributed, wrap_model
+from steadytrain.train.ending import end_job
 from steadytrain.train.evaluate import Validation, evaluate, precision_context
-from steadytrain.train.hf import CONFIG_FILE as HF_CONFIG
-from steadytrain.train.hf import hf_config_json
+from steadytrain.train.hf import hf_run_files
+from steadytrain.train.holdout import holdout
 from steadytrain.train.job import Interrupted, Job, TrainingStopped
 from steadytrain.train.metrics import MetricsLog, Progress
 from steadytrain.train.models import build_model, check_losses
@@ -43,7 +44,6 @@ from steadytrain.train.setup import (
     build_loader,
     build_optimizer,
     data_path,
-    eval_shards,
     fsdp_policy,
     model_context,
     resolve_plan,
@@ -53,7 +53,7 @@ from steadytrain.train.spikes import SpikeGuard
 from steadytrain.train.state import TrainState
 from steadytrain.train.stop import StopRequest
 from steadytrain.train.throughput import for_run
-from steadytrain.train.trackers import end_run, start_trackers
+from steadytrain.train.trackers import start_trackers
 
 __all__ = ["Interrupted", "TrainingStopped", "train"]
 
@@ -77,24 +77,19 @@ def train(
     """
     info = init_distributed(cfg.distributed.backend)
     job, ending = None, None
-    try:
-        job = _build(cfg, info, run_dir, resume)
-        job.stop_after = stop_after
-        with StopRequest(info) as job.stop:
+    with contextlib.ExitStack() as signals:
+        try:
+            job = _build(cfg, info, run_dir, resume)
+            job.stop_after = stop_after
+            job.stop = signals.enter_context(StopRequest(info))  # its handlers until the job has ended (end_job)
             summary = _run(job)
-        ending = (summary.get("stopped"), "FINISHED")
-        return summary
-    except TrainingStopped as err:
-        ending = (err.reason, "KILLED" if isinstance(err, Interrupted) else "FAILED")
-        raise
-    finally:
-        if job is not None:
-            job.writer.close()  # a save still in flight (the run failed) completes first
-            if job.lock is not None:
-                job.lock.release()
-        teardown(info)
-        if job is not None and job.metrics is not None and info.is_main:
-            end_run(job.metrics.trackers, job.run, ending, report)  # ending None: it crashed (no report)
+            ending = (summary.get("stopped"), "FINISHED")
+            return summary
+        except TrainingStopped as err:
+            ending = (err.reason, "KILLED" if isinstance(err, Interrupted) else "FAILED")
+            raise
+        finally:
+            end_job(info, job, ending, report)  # the report before the ranks part: see steadytrain.train.ending
 
 
 def _build(cfg: TrainConfig, info: DistInfo, run_dir: Path | None, resume: Path | None) -> Job:
@@ -102,25 +97,25 @@ def _build(cfg: TrainConfig, info: DistInfo, run_dir: Path | None, resume: Path 
 
     seed_everything(cfg.run.seed, cfg.run.deterministic)
     path = data_path(cfg)
-    k = resolve_plan(cfg, info.world_size, None).accumulation_steps
-    held_out = eval_shards(cfg, path)
-    ds = build_dataset(cfg, path, info, k, held_out)
+    layout = resolve_plan(cfg, info.world_size, None)
+    held = holdout(cfg, path, layout.global_batch_size)
+    ds = build_dataset(cfg, path, info, layout.accumulation_steps, held.shards, rows=held.training_rows)
     plan = resolve_plan(cfg, info.world_size, ds.steps_per_epoch, ds.dropped_per_epoch)
-    evalset = build_evalset(cfg, path, held_out, info, ds)  # refused here, before any step or run directory
+    evalset = build_evalset(cfg, path, held.shards, info, ds, rows=held.rows)  # refused here, before any step
     torch.manual_seed(cfg.run.seed)  # the same initial weights on every rank
     model = build_model(cfg.model.name, cfg.model.kwargs(), context=model_context(cfg, path))
-    hf_config = hf_config_json(model)  # an HF model's config.json, for `export --format hf`
+    hf_files = hf_run_files(model, path) if info.is_main else {}  # config.json, tokenizer: `export --format hf`
     compiled = speed_up(model, cfg.model, announce=info.is_main)  # checkpointing, then compile: before the wrap
     model = wrap_model(model, info, cfg.distributed.strategy, fsdp_policy(cfg))
     optimizer = build_optimizer(cfg, model, plan.lr, info.device)
     scaler = torch.amp.GradScaler(info.device.type) if cfg.precision == "fp16" else None
     acc = build_accumulator(cfg, model, optimizer, plan, scaler)
     manifest = runfiles.check_environment(cfg, info)  # before anything is written: a refusal leaves no run dir
-    run, lock, changes = runfiles.prepare(cfg, info, plan, run_dir=run_dir, resume=resume, data=path, held_out=held_out)
-    if hf_config is not None and info.is_main:
-        write_text_atomic(run.path / HF_CONFIG, hf_config)
+    run, lock, changes = runfiles.prepare(cfg, info, plan, run_dir=run_dir, resume=resume, data=path, held_out=held)
+    for name, text in hf_files.items():
+        write_text_atomic(run.path / name, text)
     job = Job(cfg, info, plan, run, model, optimizer, acc, ds, scaler, lock=lock, changes=changes)
-    job.compiled = compiled
+    job.compiled, job.held_out = compiled, held
     if evalset is not None:
         job.validation = Validation(evalset, cfg.eval.every_steps, cfg.eval.patience)
     job.loader = build_loader(cfg, ds, info.device)
@@ -179,9 +174,12 @@ def _run(job: Job) -> dict[str, Any]:
         trackers=start_trackers(job.run, job.cfg, job.info, step=job.state.step),
     )
     runfiles.log_start(job)
+    held = job.held_out
+    if job.info.is_main and held is not None and held.note:  # what validation holds out (here: a refusal is 1 line)
+        (log.warning if held.empty else log.info)("%s", held.note)
     sp = job.cfg.spike
     if sp.policy != "off" and job.info.is_main and sp.window + job.plan.warmup_steps >= _last_step(job):
-        log.warning(
+        log.info(  # a fact of every short run (sweep trials, tests), not a problem: said once, with the plan
             "spike.window=%d after %d warmup step(s) covers the run's %d steps: no step can be judged a spike",
             sp.window, job.plan.warmup_steps, _last_step(job),
         )  # fmt: skip
@@ -364,10 +362,13 @@ def _last_step(job: Job) -> int:
 
 
 def _validate(job: Job) -> bool:
-    """Evaluate after this step (every rank), write its row; whether a checkpoint must keep it as the best."""
-    result = evaluate(job.model, job.validation.evalset, job.info, precision=job.cfg.precision)
-    improved, stop = job.validation.record(result, job.state.step)
-    job.metrics.add_eval(result.row(job.state.step) | ({"early_stop": True} if stop else {}))  # the reason, for report
+    """Evaluate after this step (every rank), write its row (``val_time_s``: the pass's own time); whether a checkpoint
+    must keep it as the best. Its time is set aside: the next step's ``step_s`` and ``items_per_s`` leave it out."""
+    with job.metrics.aside("eval") as spent:
+        result = evaluate(job.model, job.validation.evalset, job.info, precision=job.cfg.precision)
+        row = result.row(job.state.step) | {"val_time_s": round(spent(), 3)}
+        improved, stop = job.validation.record(result, job.state.step)
+        job.metrics.add_eval(row | ({"early_stop": True} if stop else {}))  # the reason, for report
     if stop is not None and job.info.is_main:
         log.info("%s", stop)
     job.ended = stop
@@ -378,12 +379,14 @@ def _checkpoint(job: Job) -> None:
     """Save this step (every rank its shards; in the background with ``checkpoint.async``); the step's records
     reach the disk first (a checkpoint is never newer than ``metrics.jsonl``: a kill after it loses no row a
     resume would not write again)."""
-    if job.metrics is not None:
-        job.metrics.flush()
-    exposure = runfiles.write_exposure(job)
-    elapsed = job.metrics.elapsed() if job.metrics else 0.0
-    train = functools.partial(job.state.state_dict, elapsed_s=elapsed, exposure=exposure)  # rank 0 calls it
-    keep = {job.validation.best_step} if job.validation and job.cfg.checkpoint.keep_best else set()
-    keep |= keep_for_rollback(job)
-    with contextlib.suppress(CheckpointFailed):  # logged with its step; the previous one stays the latest
-        job.writer.save(job.state.step, job.model, job.optimizer, train, frozenset(keep - {None}))
+    # its time is set aside: the next step's step_s leaves it out (and that row's checkpoint_s holds it)
+    with job.metrics.aside("checkpoint") if job.metrics is not None else contextlib.nullcontext():
+        if job.metrics is not None:
+            job.metrics.flush()
+        exposure = runfiles.write_exposure(job)
+        elapsed = job.metrics.elapsed() if job.metrics else 0.0
+        train = functools.partial(job.state.state_dict, elapsed_s=elapsed, exposure=exposure)  # rank 0 calls it
+        keep = {job.validation.best_step} if job.validation and job.cfg.checkpoint.keep_best else set()
+        keep |= keep_for_rollback(job)
+        with contextlib.suppress(CheckpointFailed):  # logged with its step; the previous one stays the latest
+            job.writer.save(job.state.step, job.model, job.optimizer, train, frozenset(keep - {None}))

@@ -9,10 +9,12 @@ to the run's experiment trackers (:mod:`~steadytrain.train.trackers`), and updat
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import sys
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +35,11 @@ def _finite_or_none(x: float | None) -> float | None:
     return x if x is not None and math.isfinite(x) else None
 
 
+def _now() -> float:
+    """The host clock every timing here reads (one place: a test may move it)."""
+    return time.perf_counter()
+
+
 @dataclass
 class _Pending:
     step: int
@@ -42,6 +49,8 @@ class _Pending:
     skipped: bool
     t: float
     spike: bool = False
+    aside: dict[str, float] = field(default_factory=dict)
+    """Seconds spent outside training since the previous step, by kind (``eval``, ``checkpoint``)."""
 
 
 @dataclass
@@ -56,8 +65,9 @@ class MetricsLog:
     elapsed_before: float = 0.0
     progress: Any = None
     _pending: list[_Pending] = field(default_factory=list)
-    _t0: float = field(default_factory=time.perf_counter)
-    _t_last: float = field(default_factory=time.perf_counter)
+    _t0: float = field(default_factory=lambda: _now())
+    _t_last: float = field(default_factory=lambda: _now())
+    _aside: dict[str, float] = field(default_factory=dict)
     last: dict[str, Any] = field(default_factory=dict)
     spikes: Any = None
     """A ``warn`` :class:`~steadytrain.train.spikes.SpikeGuard`: judges the interval's losses, read with them."""
@@ -71,7 +81,20 @@ class MetricsLog:
     def add(
         self, step: int, loss: torch.Tensor, lr: float, grad_norm: float, skipped: bool, spike: bool = False
     ) -> None:
-        self._pending.append(_Pending(step, loss.detach().float(), lr, grad_norm, skipped, time.perf_counter(), spike))
+        pending = _Pending(step, loss.detach().float(), lr, grad_norm, skipped, _now(), spike, self._aside)
+        self._pending.append(pending)
+        self._aside = {}
+
+    @contextlib.contextmanager
+    def aside(self, kind: str) -> Iterator[Callable[[], float]]:
+        """Time spent on ``kind`` (``eval``, ``checkpoint``) between optimizer steps: left out of the next step's
+        ``step_s`` and ``items_per_s`` (a ``checkpoint`` is that row's ``checkpoint_s``). Yields the seconds
+        spent so far, as a function."""
+        start = _now()
+        try:
+            yield lambda: _now() - start
+        finally:
+            self._aside[kind] = self._aside.get(kind, 0.0) + _now() - start
 
     def add_eval(self, row: dict[str, Any]) -> None:
         """An evaluation's row (:meth:`EvalResult.row`), after the training rows up to its step (every rank
@@ -86,7 +109,7 @@ class MetricsLog:
         log.info("step %d/%d  val_loss %s over %d examples", row["step"], self.total_steps, loss, row["val_items"])
 
     def elapsed(self) -> float:
-        return self.elapsed_before + time.perf_counter() - self._t0
+        return self.elapsed_before + _now() - self._t0
 
     def flush(self) -> list[dict[str, Any]]:
         """Average the interval's losses over ranks (one collective, one host sync) and write them."""
@@ -110,7 +133,7 @@ class MetricsLog:
         rows = []
         mem = {"peak_mem_mb": peak_mem_mb(self.info.device)} if self.throughput is not None else {}
         for p, loss in zip(self._pending, values, strict=True):
-            rows.append(self._row(p, loss, self.items_per_step / max(p.t - self._t_last, 1e-9)) | mem)
+            rows.append(self._row(p, loss, max(p.t - self._t_last - sum(p.aside.values()), 1e-9)) | mem)
             self._t_last = p.t
         self._pending.clear()
         self.last = rows[-1]
@@ -122,7 +145,8 @@ class MetricsLog:
                 self.progress.update(rows[-1], self.total_steps)
         return rows
 
-    def _row(self, p: _Pending, loss: float, rate: float) -> dict[str, Any]:
+    def _row(self, p: _Pending, loss: float, seconds: float) -> dict[str, Any]:
+        """The step's row; ``seconds``: its own time (the time set aside for evaluation and checkpoints left out)."""
         clipped = self.max_grad_norm is not None and math.isfinite(p.grad_norm) and p.grad_norm > self.max_grad_norm
         row = {
             "step": p.step,
@@ -132,9 +156,12 @@ class MetricsLog:
             "clipped": bool(clipped and not p.skipped),
             "skipped": p.skipped,
             "items": self.items_per_step,
-            "items_per_s": round(rate, 3),
+            "items_per_s": round(self.items_per_step / seconds, 3),
+            "step_s": round(seconds, 6),
             "elapsed_s": round(self.elapsed_before + p.t - self._t0, 3),
         }
+        if p.aside.get("checkpoint"):
+            row["checkpoint_s"] = round(p.aside["checkpoint"], 3)
         if self.throughput is not None:
             row |= self.throughput.fields(row["items_per_s"])
         return row | {"spike": True} if p.spike else row

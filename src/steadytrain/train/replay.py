@@ -33,6 +33,7 @@ from steadytrain.data.transform import load_transform
 from steadytrain.errors import UserError
 from steadytrain.train.checkpoint import latest_checkpoint, load_checkpoint
 from steadytrain.train.config import TrainConfig, load_config
+from steadytrain.train.holdout import holdout
 from steadytrain.train.models import build_model
 from steadytrain.train.rundir import open_run_dir
 from steadytrain.train.runschema import read_metrics
@@ -140,7 +141,8 @@ def run_model(
 
     Returns:
         ``(model, settings)``; settings hold ``data`` (path), ``shards`` (the training shards when some
-        were held out for validation, else None), ``schema`` (a Schema or None), ``policy``,
+        were held out for validation, else None), ``rows`` (the training side's RowFilter when records of the
+        shards were held out, else None), ``schema`` (a Schema or None), ``policy``,
         ``transform`` (the run's ``data.transform`` or None),
         ``seed``, ``global_batch_size``, ``micro_batch_size``, ``shuffle_window``, ``checkpoint`` (None
         for the initial weights), ``checkpoint_step`` (0 for the initial weights) and ``note`` (None
@@ -168,14 +170,16 @@ def run_model(
         step = int(state["step"])
     plan = load_json(run.plan, what="plan") if run.plan.exists() else {}
     held_out = set(plan.get("eval_shards") or ())
+    gbs = plan.get("global_batch_size", cfg.batch.global_batch_size)
     settings = {
         "data": path,
         "shards": sorted(set(open_dataset(path).shard_ids) - held_out) if held_out else None,
+        "rows": holdout(cfg, path, gbs).training_rows if cfg.eval.holdout_fraction is not None else None,
         "schema": load_schema(cfg),
         "policy": cfg.data.policy,
         "transform": load_transform(cfg.data.transform),
         "seed": cfg.run.seed,
-        "global_batch_size": plan.get("global_batch_size", cfg.batch.global_batch_size),
+        "global_batch_size": gbs,
         "micro_batch_size": cfg.batch.micro_batch_size,
         "shuffle_window": cfg.data.shuffle_window,
         "checkpoint": str(checkpoint) if checkpoint is not None else None,

@@ -27,6 +27,7 @@ _REFUSED = {
     "optim.name": "the optimizer state belongs to the optimizer it was saved from",
     "run.seed": "the data order and the random streams follow the seed",
     "eval.holdout_shards": "the shards held out decide which shards the run trains on",
+    "eval.holdout_fraction": "the part held out decides which examples the run trains on",
     "run.name": "a resumed run stays in its own directory",
     "run.dir": "a resumed run stays in its own directory",
 }

@@ -12,8 +12,9 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from steadytrain._io import load_json, load_yaml, read_jsonl, write_text_atomic
+from steadytrain._io import load_json, read_jsonl, write_text_atomic
 from steadytrain._text import md
+from steadytrain._yamlio import load_yaml
 from steadytrain.errors import UserError
 from steadytrain.train.distributed import DistInfo, agree, barrier
 from steadytrain.train.rundir import RunDir, claim_run_dir, lock_run, open_run_dir
@@ -22,6 +23,7 @@ from steadytrain.train.throughput import describe, summarize
 
 if TYPE_CHECKING:
     from steadytrain.train.config import TrainConfig
+    from steadytrain.train.holdout import HeldOut
     from steadytrain.train.job import Job
     from steadytrain.train.setup import RunPlan
 
@@ -36,7 +38,7 @@ def prepare(
     run_dir: Path | None,
     resume: Path | None,
     data: Path,
-    held_out: list[int] | None = None,
+    held_out: HeldOut | None = None,
 ) -> tuple[RunDir, Any, dict[str, list[Any]]]:
     """The run directory, locked by rank 0 for the run's lifetime: claimed new (never overwritten), or
     the one to resume with what the resume changes (refused in one line if it cannot be honoured).
@@ -58,8 +60,9 @@ def prepare(
                 run = claim_run_dir(path)
                 lock = lock_run(run)
                 run.write_config(resolved_config(cfg))
-                run.write_json(run.plan, {**plan.to_dict(), "data": str(Path(data).resolve()), "eval_shards": held_out})
-                run.write_json(run.data, describe_data(data, held_out=held_out, validation=cfg.eval.data))
+                run.write_json(run.plan, {**plan.to_dict(), "data": str(Path(data).resolve()), **_held(held_out)})
+                shards = held_out.shards if held_out else None
+                run.write_json(run.data, describe_data(data, held_out=shards, validation=cfg.eval.data))
         except UserError as err:
             error = str(err)
             if lock is not None:
@@ -112,9 +115,18 @@ def _resume_changes(cfg: TrainConfig, plan: RunPlan, run: RunDir) -> dict[str, l
     check_run_files(run, saved_plan)
     changes = config_changes(saved, resolved_config(cfg))
     saved_eval = saved.get("eval") if isinstance(saved.get("eval"), dict) else {}
-    evaluated = saved_eval.get("data") is not None or saved_eval.get("holdout_shards") is not None
+    evaluated = any(saved_eval.get(k) is not None for k in ("data", "holdout_shards", "holdout_fraction"))
     refuse_changes(changes, saved_plan, plan.to_dict(), found[-1][0], str(run.path), evaluated=evaluated)
     return changes
+
+
+def _held(held_out: HeldOut | None) -> dict[str, Any]:
+    """``plan.json``'s record of the hold-out: ``eval_shards`` (the held-out shards, or None) and, when records of
+    the shards are held out instead, ``eval_records`` (how many)."""
+    if held_out is None:
+        return {"eval_shards": None}
+    records = {"eval_records": held_out.rows.total} if held_out.rows is not None else {}
+    return {"eval_shards": held_out.shards or None, **records}
 
 
 def describe_data(
@@ -203,8 +215,7 @@ def record_resume(job: Job, checkpoint: str) -> None:
 
     append(job.run, step=job.state.step, world_size=job.info.world_size, checkpoint=checkpoint, changes=job.changes)
     saved = load_json(job.run.plan, what="batch plan") if job.run.plan.exists() else {}
-    held_out = job.validation.evalset.shard_ids if job.validation and job.cfg.eval.holdout_shards else None
-    plan = {**job.plan.to_dict(), "data": saved.get("data"), "eval_shards": held_out}
+    plan = {**job.plan.to_dict(), "data": saved.get("data"), **_held(job.held_out)}
     if job.changes:
         job.run.write_config(resolved_config(job.cfg))
         for key, (old, new) in job.changes.items():

@@ -112,7 +112,7 @@ EVAL: dict[str, tuple[str, bool]] = {
     "val_items": ("count", False),
     "val_nonfinite": ("count", True),
     "early_stop": ("flag", True),
-    "eval_s": ("nonnegative", True),
+    "val_time_s": ("nonnegative", True),
 }
 PLAN: dict[str, tuple[str, bool]] = {
     "micro_batch_size": ("positive", False),
@@ -129,6 +129,7 @@ PLAN: dict[str, tuple[str, bool]] = {
     "dropped_per_epoch": ("count", True),
     "data": ("path", True),
     "eval_shards": ("shard list", True),
+    "eval_records": ("count", True),
 }
 CONFIG: dict[str, tuple[str, bool]] = {
     "precision": ("text", False),

@@ -20,9 +20,9 @@ from steadytrain.accumulate import GradientAccumulator
 from steadytrain.data import (
     BatchedDataset,
     EvalSet,
+    RowFilter,
     Schema,
     healthy_shards,
-    holdout_shards,
     infer_schema,
     open_dataset,
 )
@@ -123,17 +123,18 @@ def load_schema(cfg: TrainConfig) -> Schema | None:
     return Schema.load(cfg.data.schema_file) if cfg.data.schema_file else None
 
 
-def eval_shards(cfg: TrainConfig, path: Path) -> list[int] | None:
-    """The training shards held out for validation (``eval.holdout_shards``, drawn from ``run.seed``), or None."""
-    if cfg.eval.holdout_shards is None:
-        return None
-    return holdout_shards(open_dataset(path).shard_ids, cfg.eval.holdout_shards, cfg.run.seed)
-
-
 def build_dataset(
-    cfg: TrainConfig, path: Path, info: DistInfo, accumulation_steps: int, held_out: list[int] | None = None
+    cfg: TrainConfig,
+    path: Path,
+    info: DistInfo,
+    accumulation_steps: int,
+    held_out: list[int] | None = None,
+    *,
+    rows: RowFilter | None = None,
 ) -> BatchedDataset:
-    """This rank's view of the global order (equal micro-batch counts on every rank), without ``held_out``."""
+    """This rank's view of the global order (equal micro-batch counts on every rank), without the ``held_out``
+    shards, through ``rows`` (:attr:`~steadytrain.train.holdout.HeldOut.training_rows`: the held-out records left
+    out)."""
     shards = None if not held_out else sorted(set(open_dataset(path).shard_ids) - set(held_out))
     return BatchedDataset(
         path,
@@ -148,6 +149,7 @@ def build_dataset(
         schema=load_schema(cfg),
         policy=cfg.data.policy,
         transform=load_transform(cfg.data.transform),
+        rows=rows,
     )
 
 
@@ -158,11 +160,18 @@ def build_loader(cfg: TrainConfig, ds: BatchedDataset, device: torch.device) -> 
 
 
 def build_evalset(
-    cfg: TrainConfig, path: Path, held_out: list[int] | None, info: DistInfo, training: BatchedDataset | None
+    cfg: TrainConfig,
+    path: Path,
+    held_out: list[int] | None,
+    info: DistInfo,
+    training: BatchedDataset | None,
+    *,
+    rows: RowFilter | None = None,
 ) -> EvalSet | None:
-    """This rank's slice of the validation set (None without one); refused at start if it does not fit
-    the training data's columns (a DatasetError: one line, before any step)."""
-    if not cfg.eval.enabled:
+    """This rank's slice of the validation set: ``eval.data``, the ``held_out`` shards or the held-out ``rows``
+    (:attr:`~steadytrain.train.holdout.HeldOut.rows`); None without one (never the training data itself).
+    Refused at start if it does not fit the training data's columns (a DatasetError: one line, before any step)."""
+    if not cfg.eval.enabled or (cfg.eval.data is None and not held_out and rows is None):
         return None
     b, schema = cfg.eval.micro_batch_size or cfg.batch.micro_batch_size, load_schema(cfg)
     try:
@@ -175,6 +184,7 @@ def build_evalset(
             max_examples=cfg.eval.max_batches * b if cfg.eval.max_batches else None,
             schema=schema,
             policy=cfg.data.policy,
+            rows=rows if cfg.eval.data is None else None,
         )
         if training is not None:
             evalset.check_fits(training)
@@ -260,11 +270,15 @@ def model_context(cfg: TrainConfig, path: Path) -> dict[str, Any]:
 
 
 def token_context(provenance: dict[str, Any]) -> dict[str, Any]:
-    """``seq_len`` and ``vocab_size`` from an ingested token dataset's provenance (empty for other data)."""
+    """``seq_len``, ``vocab_size`` and ``eod`` (the end-of-document id: an ``hf:`` model's ``eos_token_id``)
+    from an ingested token dataset's provenance (empty for other data)."""
     out: dict[str, Any] = {}
     tokenizer = provenance.get("tokenizer")
     if isinstance(tokenizer, dict) and isinstance(tokenizer.get("vocab_size"), int) and tokenizer["vocab_size"] > 0:
         out["vocab_size"] = tokenizer["vocab_size"]
+        eod = tokenizer.get("eod")
+        if isinstance(eod, int) and not isinstance(eod, bool) and 0 <= eod < out["vocab_size"]:
+            out["eod"] = eod
     if isinstance(provenance.get("seq_len"), int) and provenance["seq_len"] > 0:
         out["seq_len"] = provenance["seq_len"]
     return out

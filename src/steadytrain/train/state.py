@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from steadytrain.errors import UserError
 from steadytrain.train.ckptfiles import from_json, to_json
+from steadytrain.train.ckptschema import check_resumable
 from steadytrain.train.distributed import DistInfo
 from steadytrain.train.evaluate import Validation
 
@@ -89,6 +90,7 @@ class TrainState:
         """Restore ``state`` (the exposure counts on rank 0 alone: it carries the global counts on); ``where``
         names the file in errors. Its types and ranges were checked when it was read
         (:func:`~steadytrain.train.ckptschema.check_state`); each part here checks what only it can."""
+        check_resumable(state, where)
         state = from_json(state, f"{where}: train")
         part = "exposure"
         try:
