@@ -23,6 +23,24 @@ def test_readme_quickstart_says_how_to_reach_the_command():
     assert ".venv/bin/steadytrain" in quickstart[:first_command]
 
 
+def test_the_quickstarts_ingest_runs_as_written_on_a_fresh_clone(tmp_path, cli):
+    """The folder the quickstart ingests is one every clone has (tracked by git), and it ingests into enough
+    windows for the quickstart's training run (one global batch of the defaults, with 5% held out)."""
+    quickstart = (ROOT / "README.md").read_text(encoding="utf-8").split("## Quickstart", 1)[1]
+    line = next(x for x in quickstart.splitlines() if x.startswith("steadytrain data ingest "))
+    args = line.split("#", 1)[0].split()[3:]
+    folder = args[0]
+    tracked = subprocess.run(["git", "ls-files", folder], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert tracked.stdout.strip(), f"the quickstart ingests {folder}, which a fresh clone does not have"
+    out = tmp_path / "notes"
+    r = cli("data", "ingest", ROOT / folder, *[str(out) if a == "data/notes" else a for a in args[1:]])
+    assert r.returncode == 0, r.stderr
+    index = json.loads((out / "index.json").read_text())
+    from steadytrain.train.config import TrainConfig
+
+    assert sum(s["records"] for s in index["shards"]) * 0.95 >= TrainConfig().batch.global_batch_size
+
+
 def test_make_run_says_where_the_command_is():
     out = subprocess.run(["make", "-n", "run"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     train, said = out.index("steadytrain train"), out.rindex(". .venv/bin/activate")
