@@ -224,14 +224,22 @@ def _publish(aside: Path, out: Path) -> None:
     _fsync_dir(out.parent)
 
 
-def _first_schema(sources: list[Source]) -> pa.Schema | None:
-    """The record schema, from the first piece with good rows (read by a reader of its own)."""
+def _first_schema(sources: list[Source]) -> pa.Schema:
+    """The record schema, from the first piece with good rows (read by a reader of its own).
+
+    Raises:
+        IngestError: no good rows at all: naming the first bad line if there was one.
+    """
+    first_bad = ""
     for chunk in iter_chunks(sources):
         for p in chunk.pieces:
-            schema = first_schema(p, sources[p.source])
+            passed = LineErrors([sources[p.source].name], skip=True)
+            schema = first_schema(p, sources[p.source], passed)
             if schema is not None:
                 return schema
-    return None
+            first_bad = first_bad or next(iter(passed.notes), "")
+    bad = f": no line is a record, the first: {first_bad}: fix the input" if first_bad else ": nothing to write"
+    raise IngestError(f"no records in the input ({len(sources)} file(s)){bad}")
 
 
 def _provenance(kind: str, tokenizer: Any, seq_len: int, pipeline_version: str) -> dict[str, Any]:
@@ -258,8 +266,6 @@ def _write(
     columns = [job.field] if job.kind == "text" and job.field is not None else None
     if job.kind == "records":
         job.schema = _first_schema(sources)
-        if job.schema is None:
-            raise IngestError(f"no records in the input ({len(sources)} file(s)): nothing to write")
     chunks = iter_chunks(sources, parquet_columns=columns)
     width = seq_len + 1 if job.kind == "text" else None
     eod = job.tokenizer.eod if job.tokenizer is not None else 0

@@ -208,21 +208,26 @@ def _csv_type(values: list[str]) -> pa.DataType:
     return pa.string()
 
 
-def first_schema(piece: Piece, source: Source) -> pa.Schema | None:
+def first_schema(piece: Piece, source: Source, passed: LineErrors | None = None) -> pa.Schema | None:
     """The record columns and their types, from the good rows of a piece; None if it has none.
 
-    Bad lines are passed over here: they are reported (or skipped) when the piece is read for its rows.
+    Bad lines are passed over here (noted in ``passed``, a skipping :class:`LineErrors` for ``[source.name]``):
+    they are reported (or skipped) when the piece is read for its rows.
 
     Raises:
         IngestError: a column is named ``shard`` or ``index`` (every example read back carries those), or
             twice, or the rows have no fields.
     """
-    passed = LineErrors([source.name], skip=True)
+    passed = LineErrors([source.name], skip=True) if passed is None else passed
     piece = dataclasses.replace(piece, source=0)
     if source.format == "parquet":
         schema, rows = piece.data.schema.remove_metadata(), piece.data.num_rows
     elif source.format == "jsonl":
-        rows = [v for v in _json_lines(piece, passed)[0] if isinstance(v, dict)]
+        values, lines = _json_lines(piece, passed)
+        for value, n in zip(values, lines, strict=True):
+            if not isinstance(value, dict):
+                passed(0, n, f"is {_json_type(value)}, not a JSON object")
+        rows = [v for v in values if isinstance(v, dict)]
         names = list(dict.fromkeys(k for r in rows for k in r))
         schema = pa.schema([(k, _column_type([r.get(k) for r in rows])) for k in names])
     else:

@@ -55,6 +55,7 @@ PARQUET_BATCH_ROWS = 65_536
 FORMATS = {".txt": "txt", ".jsonl": "jsonl", ".csv": "csv", ".parquet": "parquet"}
 COMPRESSIONS = {".gz": "gzip", ".zst": "zstd"}
 _BOM = b"\xef\xbb\xbf"
+_UTF16_BOMS = (b"\xff\xfe", b"\xfe\xff")  # never the start of UTF-8: 0xFF and 0xFE are not UTF-8
 NEWLINE = b"\n"
 _KNOWN = ".txt, .jsonl, .csv, .parquet (the first three also .gz or .zst)"
 KIND_NAMES = {"txt": "text", "jsonl": "jsonl", "csv": "csv", "parquet": "parquet"}  # as counted in summaries
@@ -321,7 +322,12 @@ def _text_pieces(index: int, source: Source) -> Iterator[tuple[Piece, int]]:
     line, carry, header = 1, b"", b""
     try:
         block = _read(stream, source, line)
-        if source.format != "txt" and block.startswith(_BOM):
+        if block.startswith(_UTF16_BOMS):
+            raise IngestError(
+                f"{brief(source.name)}: is UTF-16 (or UTF-32) text, not UTF-8: convert it "
+                f"(`iconv -f UTF-16 -t UTF-8 FILE > FILE.utf8`) or leave it out"
+            )
+        if block.startswith(_BOM):  # an encoding mark, not text: never a token nor part of a column name
             block = block[len(_BOM) :]
         while True:
             ahead = _read(stream, source, line + carry.count(NEWLINE) + block.count(NEWLINE)) if block else b""

@@ -207,6 +207,15 @@ class RunConfig(Section):
     """``mlflow``'s tracking store: a ``sqlite:``/``file:``/``http(s):`` URI or a path (``*.db``: SQLite, else a
     file-store directory); absent: ``MLFLOW_TRACKING_URI`` when set, else the SQLite store ``RUN/mlflow.db``."""
 
+    @field_validator("mlflow_uri")
+    @classmethod
+    def _a_store(cls, uri: str | None) -> str | None:
+        if uri is not None and any(ord(c) < 32 or ord(c) == 127 for c in uri):
+            raise ValueError("holds a control character (a newline?): give one URI or path on one line")
+        if uri is not None and uri.lower().startswith(("http:", "https:")) and not uri.split(":", 1)[1].strip("/"):
+            raise ValueError("names no host: give the tracking server as http(s)://HOST:PORT")
+        return uri
+
 
 class TrainConfig(Section):
     """Everything a run needs; the defaults are the embedded default run."""
