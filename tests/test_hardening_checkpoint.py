@@ -160,3 +160,92 @@ def test_export_out_onto_a_foreign_file_is_refused_an_earlier_export_replaced(ba
     assert r.returncode == 0, r.stderr
     again = load_file(out)
     assert first.keys() == again.keys() and any((first[k] != again[k]).any() for k in first)
+
+
+INCONSISTENT = [
+    ("train.scheduler.last_epoch", 10**9, "train.scheduler.last_epoch=1000000000"),
+    ("train.scheduler.last_epoch", 0, "train.accumulator.optimizer_steps=4"),
+    ("train.accumulator.optimizer_steps", 9, "train.accumulator.optimizer_steps=9"),
+    ("train.data.epoch", 10**9, "train.data.epoch=1000000000"),
+    ("train.validation.best_step", 10**9, "train.validation.best_step=1000000000"),
+    ("train.accumulator.cycle.micro", 5, "train.accumulator.cycle.micro=5"),
+]
+
+
+@pytest.mark.parametrize(("key", "value", "word"), INCONSISTENT, ids=[f"{k}={v}" for k, v, _ in INCONSISTENT])
+def test_state_json_values_of_the_right_type_that_disagree_are_refused(base, tmp_path, cli, key, value, word):
+    """Each of these resumed silently: a scheduler at position 10**9 trained on at the schedule's floor, one at 0
+    re-ran the warmup, epoch 10**9 reshuffled the data, a best step in the future stopped early at once."""
+    run = _copy(base, tmp_path)
+    path = run / "checkpoints" / CKPT / "state.json"
+    state = json.loads(path.read_text())
+    _edit(state, key, value)
+    path.write_text(json.dumps(state))
+    before = _snapshot(run)
+    assert_user_error(cli("train", "--resume", run, *sets("run.max_steps=6")), "state.json", word)
+    assert _snapshot(run) == before
+    assert_user_error(cli("export", run, "--out", tmp_path / "m.safetensors"), "state.json", word)
+    assert not (tmp_path / "m.safetensors").exists()
+
+
+def test_a_checkpoint_directory_named_for_another_step_is_refused(base, tmp_path, cli):
+    """step-00000004 renamed step-00000009: --resume said the run was at step 9, export --step 9 and eval answered
+    with step 4's model."""
+    run = _copy(base, tmp_path)
+    (run / "checkpoints" / CKPT).rename(run / "checkpoints" / "step-00000009")
+    before = _snapshot(run)
+    assert_user_error(cli("train", "--resume", run, *sets("run.max_steps=12")), "step-00000009", "step=4")
+    assert _snapshot(run) == before
+    out = tmp_path / "m.safetensors"
+    assert_user_error(cli("export", run, "--step", "9", "--out", out), "step-00000009", "step=4")
+    assert not out.exists()
+    r = cli("eval", run, "--json")
+    assert r.returncode == 2 and "step-00000009" in json.loads(r.stdout)["error"], r.stdout
+
+
+def _link_files(src: Path, dst: Path) -> None:
+    for f in sorted(dst.glob("*.safetensors")):
+        f.unlink()
+        f.symlink_to(src / f.name)
+
+
+@pytest.mark.parametrize("what", ["files", "directory", "state", "rng"])
+def test_a_symbolic_link_inside_the_checkpoints_is_refused_and_the_other_run_untouched(base, tmp_path, cli, what):
+    """A checkpoint whose files (or itself) link into another run was resumed from, and the resume's retention and
+    writes went on through it; state.json linked to a device was taken for a missing one."""
+    run, other = _copy(base, tmp_path), Path(shutil.copytree(base, tmp_path / "other"))
+    mine, theirs = run / "checkpoints" / CKPT, other / "checkpoints" / CKPT
+    if what == "files":
+        _link_files(theirs, mine)
+    elif what == "directory":
+        shutil.rmtree(mine)
+        mine.symlink_to(theirs)
+    else:
+        target = mine / ("state.json" if what == "state" else "rng/rank-00000.json")
+        target.unlink()
+        target.symlink_to(theirs / target.relative_to(mine))
+    before, theirs_before = _snapshot(run), _snapshot(other)
+    assert_user_error(cli("train", "--resume", run, *sets("run.max_steps=6")), "symbolic link", CKPT)
+    assert _snapshot(run) == before and _snapshot(other) == theirs_before
+    assert_user_error(cli("export", run, "--out", tmp_path / "m.safetensors"), "symbolic link")
+    assert not (tmp_path / "m.safetensors").exists()
+    r = cli("eval", run, "--json")
+    assert r.returncode == 2 and "symbolic link" in json.loads(r.stdout)["error"], r.stdout
+
+
+def test_a_damaged_rng_file_is_named(base, tmp_path, cli):
+    run = _copy(base, tmp_path)
+    (run / "checkpoints" / CKPT / "rng" / "rank-00000.json").write_text('{"python": "x"}')
+    before = _snapshot(run)
+    assert_user_error(cli("train", "--resume", run, *sets("run.max_steps=6")), "rank-00000.json", "generator state")
+    assert _snapshot(run) == before
+
+
+def test_export_hf_out_inside_the_checkpoints_is_refused(base, tmp_path, cli):
+    """``--out FILE`` inside checkpoints/ was refused, ``--format hf --out DIR`` there was not (a new
+    ``checkpoints/step-00000009`` would have made the save of step 9 fail)."""
+    run = _copy(base, tmp_path)
+    before = _snapshot(run)
+    r = cli("export", run, "--format", "hf", "--out", run / "checkpoints" / "step-00000009")
+    assert_user_error(r, "--out", "inside the run's checkpoints")
+    assert _snapshot(run) == before and not (run / "checkpoints" / "step-00000009").exists()

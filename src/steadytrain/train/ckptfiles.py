@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
+import re
 import struct
 import warnings
 from collections.abc import Iterator
@@ -163,6 +165,7 @@ def _load_json(path: Path) -> Any:
 def read_state(ckpt: Path) -> dict[str, Any]:
     """``state.json`` of checkpoint directory ``ckpt``: its format and version, and every value a resume, a
     rollback, ``eval`` or ``export`` reads, checked for type and range (:func:`.ckptschema.check_state`)."""
+    _no_links(ckpt)
     path = ckpt / "state.json"
     state = _load_json(path)
     if not isinstance(state, dict) or state.get("format") != FORMAT:
@@ -170,7 +173,28 @@ def read_state(ckpt: Path) -> dict[str, Any]:
     if state.get("version") != VERSION:
         got = brief(state.get("version"))
         raise UserError(f"{path}: checkpoint format version {got}; this steadytrain reads version {VERSION}")
-    return check_state(state, str(path))
+    state = check_state(state, str(path))
+    named = re.fullmatch(r"step-(\d{8})", ckpt.name)
+    if named and int(named.group(1)) != state["step"]:  # --step, retention and the resume's step go by the name
+        raise UserError(
+            f"{path}: step={state['step']} but the directory is named {ckpt.name}: renamed by hand? name it "
+            f"step-{state['step']:08d} or move it out of checkpoints/"
+        )
+    return state
+
+
+def _no_links(ckpt: Path) -> None:
+    """A UserError naming the first symbolic link among the checkpoint directory and its files: steadytrain never
+    writes one, and a link reads (or, by retention, removes) another run's files or a device as if they were
+    this checkpoint's."""
+    for p in [ckpt, *(ckpt.iterdir() if ckpt.is_dir() and not ckpt.is_symlink() else [])]:
+        inside = list(p.iterdir()) if p.is_dir() and not p.is_symlink() and p != ckpt else []
+        for q in [p, *inside]:
+            if q.is_symlink():
+                raise UserError(
+                    f"{q}: a symbolic link (to {os.readlink(q)}) in a checkpoint, which holds its own files only; "
+                    "replace it with a copy of what it links to or move the checkpoint out of checkpoints/"
+                )
 
 
 def rng_state() -> dict[str, Any]:

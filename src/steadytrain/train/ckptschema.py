@@ -149,7 +149,38 @@ def check_state(state: dict[str, Any], where: str) -> dict[str, Any]:
         check_int("world_size", state["world_size"], 1, maximum=2**31 - 1)
     except UserError as err:
         raise UserError(f"{where}: {err}; {FIX}") from None
+    _check_consistent(train, where)
     return state
+
+
+def _get(train: dict[str, Any], key: str) -> Any:
+    """``train``'s value at the dotted ``key`` (None where a part is absent or not a mapping)."""
+    node: Any = train
+    for part in key.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    return node
+
+
+def _check_consistent(train: dict[str, Any], where: str) -> None:
+    """Values of the right type that no run could have written together: the scheduler steps exactly when the
+    accumulator applies an update, an update is at most one per step, an epoch ends after at least one step, the
+    best validation step is one already taken, a checkpoint's accumulation cycle holds fewer micro-batches than
+    a cycle (each of these, left alone, would resume silently on another learning rate, epoch or early stop)."""
+    step = train["step"]
+    updates = _get(train, "accumulator.optimizer_steps")
+    rules = [
+        ("scheduler.last_epoch", "==", "accumulator.optimizer_steps", _get(train, "scheduler.last_epoch"), updates),
+        ("accumulator.optimizer_steps", "<=", "step", updates, step),
+        ("data.epoch", "<=", "step", _get(train, "data.epoch"), step),
+        ("validation.best_step", "<=", "step", _get(train, "validation.best_step"), step),
+        ("accumulator.cycle.micro", "<", "accumulator.accumulation_steps", _get(train, "accumulator.cycle.micro"),
+         _get(train, "accumulator.accumulation_steps")),
+    ]  # fmt: skip
+    for left, op, right, a, b in rules:
+        if not isinstance(a, int) or not isinstance(b, int):
+            continue  # absent (an older or library-only checkpoint): nothing to compare
+        if not {"==": a == b, "<=": a <= b, "<": a < b}[op]:
+            raise UserError(f"{where}: train.{left}={a} where train.{right}={b} (must be {op}); {FIX}")
 
 
 def check_resumable(train: dict[str, Any], where: str) -> None:

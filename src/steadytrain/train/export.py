@@ -129,6 +129,10 @@ def export_hf(run_dir: str | Path, out: str | Path, *, step: int | None = None) 
     out = Path(out)
     _hf_out(out)
     run = open_run_dir(Path(run_dir))
+    if out.resolve().is_relative_to(run.checkpoints.resolve()):  # a later save of that step would fail on it
+        raise UserError(
+            f"--out {out}: inside the run's checkpoints ({run.checkpoints}); export to a directory outside them"
+        )
     if not (run.path / HF_CONFIG).is_file():
         raise UserError(
             f"{run.path}: not a run of an hf: model (no {HF_CONFIG}): export it with --out FILE.safetensors"

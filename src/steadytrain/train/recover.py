@@ -129,7 +129,7 @@ def restore_rng(job: Job, path: Path, saved: dict[str, Any]) -> None:
     same = saved["world_size"] == info.world_size
     rng = read_rng(path, info.rank) if same else None
     if rng is not None:
-        set_rng_state(rng, str(path / "rng"))
+        set_rng_state(rng, str(path / "rng" / f"rank-{info.rank:05d}.json"))
         return
     seed_everything((job.cfg.run.seed * 1_000_003 + step * 1_009 + info.rank) % 2**63, job.cfg.run.deterministic)
     if info.is_main or same:
