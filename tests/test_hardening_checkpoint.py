@@ -54,6 +54,16 @@ def _edit(state: dict, key: str, value) -> None:
         node[last] = value
 
 
+def _damaged(base: Path, tmp_path: Path, key: str, value) -> Path:
+    """A copy of ``base`` whose latest ``state.json`` has ``key`` set to ``value`` (``KeyError``: removed)."""
+    run = _copy(base, tmp_path)
+    path = run / "checkpoints" / CKPT / "state.json"
+    state = json.loads(path.read_text())
+    _edit(state, key, value)
+    path.write_text(json.dumps(state))
+    return run
+
+
 DAMAGE = [
     ("step", -5, "step"),
     ("step", 10**30, "step"),
@@ -80,11 +90,7 @@ DAMAGE = [
 
 @pytest.mark.parametrize(("key", "value", "word"), DAMAGE, ids=[f"{k}={v!r}"[:40] for k, v, _ in DAMAGE])
 def test_a_damaged_state_json_value_is_one_line_naming_the_file_and_key(base, tmp_path, cli, key, value, word):
-    run = _copy(base, tmp_path)
-    path = run / "checkpoints" / CKPT / "state.json"
-    state = json.loads(path.read_text())
-    _edit(state, key, value)
-    path.write_text(json.dumps(state))
+    run = _damaged(base, tmp_path, key, value)
     before = _snapshot(run)
     r = cli("train", "--resume", run, *sets("run.max_steps=6"))
     assert_user_error(r, "state.json", word)
@@ -176,11 +182,7 @@ INCONSISTENT = [
 def test_state_json_values_of_the_right_type_that_disagree_are_refused(base, tmp_path, cli, key, value, word):
     """Each of these resumed silently: a scheduler at position 10**9 trained on at the schedule's floor, one at 0
     re-ran the warmup, epoch 10**9 reshuffled the data, a best step in the future stopped early at once."""
-    run = _copy(base, tmp_path)
-    path = run / "checkpoints" / CKPT / "state.json"
-    state = json.loads(path.read_text())
-    _edit(state, key, value)
-    path.write_text(json.dumps(state))
+    run = _damaged(base, tmp_path, key, value)
     before = _snapshot(run)
     assert_user_error(cli("train", "--resume", run, *sets("run.max_steps=6")), "state.json", word)
     assert _snapshot(run) == before
