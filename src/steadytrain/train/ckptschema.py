@@ -59,11 +59,12 @@ KINDS_HERE = {
     "numbers": _numbers,
     "finite numbers": _finite_numbers,
     "exposure": _exposure,
+    "world size": lambda n, v: check_int(n, v, 1, maximum=2**31 - 1),
 }
 
 REQUIRED: dict[str, str] = {
     "step": "count",
-    "world_size": "positive",
+    "world_size": "world size",
     "train": "mapping",
     "model": "mapping",
     "optimizer": "mapping",
@@ -145,10 +146,6 @@ def check_state(state: dict[str, Any], where: str) -> dict[str, Any]:
             detector = {f"train.spikes.detector.{k}": v for k, v in DETECTOR.items()}
             _check(state, detector, where, required=True, nullable=False)
             _check(state, {"train.spikes.detector.window": "positive"}, where, required=False, nullable=False)
-    try:
-        check_int("world_size", state["world_size"], 1, maximum=2**31 - 1)
-    except UserError as err:
-        raise UserError(f"{where}: {err}; {FIX}") from None
     _check_consistent(train, where)
     return state
 

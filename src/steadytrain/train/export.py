@@ -91,11 +91,16 @@ def _is_export(path: Path) -> bool:
     return set(_MARK) <= set(meta)
 
 
+def _outside_checkpoints(out: Path, checkpoints: Path, what: str) -> None:
+    """A UserError if ``out`` (links resolved) lies in the run's checkpoints: an export there would replace a
+    checkpoint's file or make a later save of that step fail."""
+    if out.resolve().is_relative_to(checkpoints.resolve()):
+        raise UserError(f"--out {out}: inside the run's checkpoints ({checkpoints}); export to a {what} outside them")
+
+
 def _check_out(out: Path, checkpoints: Path) -> None:
     """``--out`` may be a new file or an earlier export; never a file of the run's checkpoints, nor another file."""
-    target = out.resolve()
-    if target.is_relative_to(checkpoints.resolve()):
-        raise UserError(f"--out {out}: inside the run's checkpoints ({checkpoints}); export to a file outside them")
+    _outside_checkpoints(out, checkpoints, "file")
     if out.exists() and not (out.is_file() and _is_export(out)):
         raise UserError(
             f"--out {out}: exists and is not an earlier export (it would be replaced); give a new file name"
@@ -129,10 +134,7 @@ def export_hf(run_dir: str | Path, out: str | Path, *, step: int | None = None) 
     out = Path(out)
     _hf_out(out)
     run = open_run_dir(Path(run_dir))
-    if out.resolve().is_relative_to(run.checkpoints.resolve()):  # a later save of that step would fail on it
-        raise UserError(
-            f"--out {out}: inside the run's checkpoints ({run.checkpoints}); export to a directory outside them"
-        )
+    _outside_checkpoints(out, run.checkpoints, "directory")
     if not (run.path / HF_CONFIG).is_file():
         raise UserError(
             f"{run.path}: not a run of an hf: model (no {HF_CONFIG}): export it with --out FILE.safetensors"

@@ -379,12 +379,12 @@ def _checkpoint(job: Job) -> None:
     """Save this step (every rank its shards; in the background with ``checkpoint.async``); the step's records
     reach the disk first (a checkpoint is never newer than ``metrics.jsonl``: a kill after it loses no row a
     resume would not write again)."""
-    # its time is set aside: the next step's step_s leaves it out (and that row's checkpoint_s holds it)
-    with job.metrics.aside("checkpoint") if job.metrics is not None else contextlib.nullcontext():
-        if job.metrics is not None:
-            job.metrics.flush()
+    # its time is set aside: the next step's step_s leaves it out (and that row's checkpoint_s holds it); every
+    # save is made by _run, after it has started the metrics
+    with job.metrics.aside("checkpoint"):
+        job.metrics.flush()
         exposure = runfiles.write_exposure(job)
-        elapsed = job.metrics.elapsed() if job.metrics else 0.0
+        elapsed = job.metrics.elapsed()
         train = functools.partial(job.state.state_dict, elapsed_s=elapsed, exposure=exposure)  # rank 0 calls it
         keep = {job.validation.best_step} if job.validation and job.cfg.checkpoint.keep_best else set()
         keep |= keep_for_rollback(job)

@@ -92,26 +92,22 @@ class TrainState:
         (:func:`~steadytrain.train.ckptschema.check_state`); each part here checks what only it can."""
         check_resumable(state, where)
         state = from_json(state, f"{where}: train")
+        parts = {  # loaded in this order; None: this run has no such part, or the checkpoint none for it
+            "scheduler": self.scheduler,
+            "accumulator": self.accumulator,  # taken at a step boundary: any K (world size)
+            "scaler": self.scaler if state.get("scaler") else None,
+            "data": self.data,
+            "validation": self.validation if state.get("validation") else None,
+            "spikes": self.spikes,  # None in the checkpoint: a new window
+        }
         part = "exposure"
         try:
             saved = {int(k): int(v) for k, v in (state.get("exposure") or {}).items()} if is_main else {}
             if foreign := sorted(set(saved) - set(getattr(self.data, "shard_ids", saved))):
                 raise UserError(f"shard {foreign[0]} is not a shard this run trains on")
-            part = "scheduler"
-            self.scheduler.load_state_dict(state["scheduler"])
-            part = "accumulator"
-            self.accumulator.load_state_dict(state["accumulator"])  # taken at a step boundary: any K (world size)
-            part = "scaler"
-            if self.scaler is not None and state.get("scaler"):
-                self.scaler.load_state_dict(state["scaler"])
-            part = "data"
-            self.data.load_state_dict(state["data"])
-            part = "validation"
-            if self.validation is not None and state.get("validation"):
-                self.validation.load_state_dict(state["validation"])
-            part = "spikes"
-            if self.spikes is not None:
-                self.spikes.load_state_dict(state.get("spikes"))
+            for part, target in parts.items():
+                if target is not None:
+                    target.load_state_dict(state.get(part))
         except (UserError, KeyError, TypeError, ValueError, IndexError, AttributeError) as err:
             why = str(err) if isinstance(err, UserError) else f"{type(err).__name__}: {err}"
             fix = "the checkpoint does not fit this run or is damaged"
