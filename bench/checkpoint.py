@@ -2,7 +2,7 @@
 
 (a), (b): two ranks on gloo (CPU), an MLP of ``--layers`` square Linear layers (``--width``; the
 default is ~103M parameters) under FSDP2 with AdamW after one step (the full model+optimizer state:
-~1.23 GB). Per round, each rank saves with :class:`~steadytrain.train.ckptsave.CheckpointWriter`:
+~1.23 GB). Per round, each rank saves with :class:`~steadytrain.train.checkpoint.writer.CheckpointWriter`:
 
 (a) blocked time: synchronous save (the whole write) against asynchronous save, where the loop is
     blocked for the call plus the wait of the next ``optimizer.step`` for the staging copy. Two
@@ -38,9 +38,9 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.fsdp import fully_shard
 
-from steadytrain.train.checkpoint import restore
-from steadytrain.train.ckptsave import CheckpointWriter
-from steadytrain.train.distributed import DistInfo
+from steadytrain.train.checkpoint.catalog import restore
+from steadytrain.train.checkpoint.writer import CheckpointWriter
+from steadytrain.train.setup.distributed import DistInfo
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 

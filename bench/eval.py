@@ -29,10 +29,10 @@ import pyarrow.parquet as pq
 import torch
 
 from steadytrain.data import EvalSet
-from steadytrain.train.corpus import default_corpus
-from steadytrain.train.distributed import DistInfo
-from steadytrain.train.evaluate import evaluate
-from steadytrain.train.models import TinyLM
+from steadytrain.train.job.evaluate import evaluate
+from steadytrain.train.setup.corpus import default_corpus
+from steadytrain.train.setup.distributed import DistInfo
+from steadytrain.train.setup.models import TinyLM
 
 SHARDS = [0, 1]
 

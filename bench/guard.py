@@ -39,11 +39,11 @@ from torch.overrides import TorchFunctionMode
 from steadytrain.diagnose import hunt
 from steadytrain.diagnose.demo import make_dataset, train_config
 from steadytrain.diagnose.hunt import MIN_CHUNK, _shard_batch, _sweep
-from steadytrain.train import loop, runfiles
-from steadytrain.train.config import TrainConfig, load_config
-from steadytrain.train.loop import train
-from steadytrain.train.models import check_losses
-from steadytrain.train.replay import run_model
+from steadytrain.runs.replay import run_model
+from steadytrain.train.job import loop, runfiles
+from steadytrain.train.job.loop import train
+from steadytrain.train.setup.config import TrainConfig, load_config
+from steadytrain.train.setup.models import check_losses
 
 
 def _micro_batch_unrecorded(job, mb):

@@ -324,9 +324,9 @@ def overrides(train_ds: Path, val_ds: Path, steps: int, eval_batches: int) -> li
 
 def ours(train_ds: Path, val_ds: Path, steps: int, eval_batches: int, run_dir: Path) -> tuple[list[float], float, GPT]:
     """steadytrain in-process; per-step end times (``elapsed_s``), its final ``val_loss``, the final weights."""
-    from steadytrain.train.checkpoint import latest_checkpoint, load_checkpoint
-    from steadytrain.train.config import load_config
-    from steadytrain.train.loop import train
+    from steadytrain.train.checkpoint.catalog import latest_checkpoint, load_checkpoint
+    from steadytrain.train.job.loop import train
+    from steadytrain.train.setup.config import load_config
 
     train(load_config(None, overrides(train_ds, val_ds, steps, eval_batches)), run_dir=run_dir)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -50,7 +50,7 @@ def flagged(losses: list[float], warmup: int) -> int:
     import torch
 
     from steadytrain.guard import SpikeDetector
-    from steadytrain.train.config import SpikeConfig
+    from steadytrain.train.setup.config import SpikeConfig
 
     c = SpikeConfig()
     d = SpikeDetector(window=c.window, threshold=c.threshold, min_ratio=c.min_ratio, warmup_steps=warmup)

@@ -25,8 +25,8 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from steadytrain.accumulate import GradientAccumulator
-from steadytrain.train.distributed import DistInfo
-from steadytrain.train.stop import StopRequest
+from steadytrain.train.job.stop import StopRequest
+from steadytrain.train.setup.distributed import DistInfo
 
 K, MICRO = 4, 16
 

@@ -37,10 +37,10 @@ import torch
 
 from steadytrain.data import DatasetWriter, ShardedDataset
 from steadytrain.schedule import lr_multiplier
-from steadytrain.train.config import load_config
-from steadytrain.train.loop import train
-from steadytrain.train.models import build_model
-from steadytrain.train.setup import data_path, model_context, resolve_plan
+from steadytrain.train.job.loop import train
+from steadytrain.train.setup.config import load_config
+from steadytrain.train.setup.models import build_model
+from steadytrain.train.setup.pieces import data_path, model_context, resolve_plan
 
 LOG_EVERY = 10
 
@@ -157,7 +157,7 @@ def saved_bytes(model: torch.nn.Module, mb: dict) -> int:
 
 def activation_bytes(work: Path) -> None:
     """Saved-activation bytes of the default tiny-lm's micro-batch under each checkpointing mode."""
-    from steadytrain.train.speed import apply_activation_checkpointing
+    from steadytrain.train.setup.speed import apply_activation_checkpointing
 
     cfg = load_config(None, configs("tiny-lm", 10, work))
     path = data_path(cfg)

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from steadytrain.train.distributed import quiesce
+from steadytrain.train.setup.distributed import quiesce
 
 
 def _entry(rank: int, fn, world_size: int, tmp: str, args: tuple) -> None:

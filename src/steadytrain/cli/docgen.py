@@ -1,7 +1,7 @@
 """The reference pages, generated from the code so they cannot drift: ``make docs`` rewrites them.
 
 ``docs/reference/config.md`` lists every key of the training config (type, default, docstring) by walking
-the pydantic models of :mod:`steadytrain.train.config`; ``docs/reference/cli.md`` lists every command of
+the pydantic models of :mod:`steadytrain.train.setup.config`; ``docs/reference/cli.md`` lists every command of
 ``steadytrain`` (arguments, options, defaults, help) by walking the click command tree. Both walks are
 generic: a field or a command added later appears without an edit here. The output depends on the code
 alone (no terminal width, no machine values), so ``tests/test_docs.py`` can compare it with the
@@ -195,7 +195,7 @@ def _walk(model: type[BaseModel], prefix: str, resolved: dict[str, Any]) -> Iter
 
 
 def config_keys(model: type[BaseModel] | None = None) -> list[ConfigKey]:
-    """Every key of ``model`` (default :class:`~steadytrain.train.config.TrainConfig`), nested keys dotted.
+    """Every key of ``model`` (default :class:`~steadytrain.train.setup.config.TrainConfig`), nested keys dotted.
 
     Args:
         model: the root config model; its defaults are taken as the embedded default run.
@@ -204,7 +204,7 @@ def config_keys(model: type[BaseModel] | None = None) -> list[ConfigKey]:
         The keys in declaration order, with type, default and docstring as Markdown.
     """
     if model is None:
-        from steadytrain.train.config import TrainConfig as model
+        from steadytrain.train.setup.config import TrainConfig as model
     resolved = to_jsonable_python(model().model_dump(mode="json", by_alias=True))
     return list(_walk(model, "", resolved))
 
@@ -226,7 +226,7 @@ def _section_intro(model: type[BaseModel], name: str) -> list[str]:
 def render_config(model: type[BaseModel] | None = None) -> str:
     """``docs/reference/config.md``: one table per top-level key (section), in declaration order."""
     if model is None:
-        from steadytrain.train.config import TrainConfig as model
+        from steadytrain.train.setup.config import TrainConfig as model
     by_section: dict[str, list[ConfigKey]] = {}
     for item in config_keys(model):
         by_section.setdefault(item.key.split(".")[0], []).append(item)

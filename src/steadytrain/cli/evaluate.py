@@ -1,5 +1,5 @@
-"""``steadytrain eval RUN`` and ``steadytrain export RUN``: parse, call the library (:mod:`steadytrain.train.evalrun`,
-:mod:`steadytrain.train.export`), print (rank 0)."""
+"""``steadytrain eval RUN`` and ``steadytrain export RUN``: parse, call the library (:mod:`steadytrain.runs.evaluate`,
+:mod:`steadytrain.runs.export`), print (rank 0)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import click
 def eval_cmd(run: str, step: int | None, data: str | None, as_json: bool) -> None:
     """The validation loss of RUN's checkpoint: the mean per-example loss over its validation examples."""
     from steadytrain._text import one_line
-    from steadytrain.train.evalrun import evaluate_run
+    from steadytrain.runs.evaluate import evaluate_run
 
     row = evaluate_run(Path(run), step=step, data=data)
     if os.environ.get("RANK", "0") != "0":
@@ -47,7 +47,7 @@ def export_cmd(run: str, step: int | None, fmt: str, out: str) -> None:
     """RUN's model as one safetensors file (load it with load_state_dict(strict=True) into the model), or with
     --format hf a directory that AutoModelForCausalLM.from_pretrained loads."""
     from steadytrain._text import one_line
-    from steadytrain.train.export import export_hf, export_model
+    from steadytrain.runs.export import export_hf, export_model
 
     done = (export_hf if fmt == "hf" else export_model)(Path(run), Path(out), step=step)
     click.echo(f"step {done['step']}: {done['tensors']} tensors ({done['bytes']} bytes) -> {one_line(done['out'])}")

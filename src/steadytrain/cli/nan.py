@@ -63,7 +63,7 @@ def report_cmd(run: str, as_json: bool) -> None:
     """Attribute RUN's non-finite steps to shards: shard-selective (data first) or spread (LR, clipping, precision)."""
     from steadytrain.diagnose import report
     from steadytrain.diagnose.ledger import LEDGER
-    from steadytrain.train.rundir import open_run_dir
+    from steadytrain.rundir.layout import open_run_dir
 
     if not (Path(run) / LEDGER).is_file():  # a directory holding a ledger (a loop of one's own) is enough
         open_run_dir(Path(run))  # else it must be a run directory: "no non-finite step" of `runs/` would be a lie
@@ -80,7 +80,7 @@ def report_cmd(run: str, as_json: bool) -> None:
 def hunt_cmd(run: str, shard: int | None, checkpoint: str | None, step: int | None, as_json: bool) -> None:
     """Replay one shard (or one step) of RUN in this process: module, examples, fields, provenance."""
     from steadytrain.diagnose import hunt
-    from steadytrain.train.replay import run_model
+    from steadytrain.runs.replay import run_model
 
     found = hunt(Path(run), shard, loader=run_model, checkpoint=checkpoint, step=step)
     _json(found.to_dict()) if as_json else _print_hunt(found)
@@ -115,7 +115,7 @@ def demo_nan(root: str | None, variant: str, shards: int) -> None:
     where = Path(root) if root else Path(tempfile.mkdtemp(prefix="steadytrain-demo-nan-"))
     variants = ("shard", "lr") if variant == "both" else (variant,)
     t0 = time.perf_counter()
-    from steadytrain.train.replay import run_model
+    from steadytrain.runs.replay import run_model
 
     for result in run_demo(where, loader=run_model, variants=variants, shards=shards):
         ended = "finished" if result.returncode == 0 else f"stopped early (exit {result.returncode})"

@@ -36,7 +36,7 @@ def _quiet_training() -> None:
 @contextlib.contextmanager
 def _stopped_by_signal() -> Iterator[None]:
     """A Ctrl-C (or SIGTERM) during repro or sweep: one line, and the signal's exit code (130/143)."""
-    from steadytrain.train.loop import Interrupted
+    from steadytrain.train.job.loop import Interrupted
 
     try:
         yield
@@ -127,7 +127,7 @@ def sweep(config: str | None, factors: str, steps: int, overrides: tuple[str, ..
     """Short runs at LR = factor x the linear-scaling estimate: a table, loss against LR, the best factor."""
     from steadytrain.runs import sweep as run_sweep
     from steadytrain.runs.sweep import parse_factors
-    from steadytrain.train.config import load_config
+    from steadytrain.train.setup.config import load_config
 
     chosen = parse_factors(factors)
     cfg = load_config(config, list(overrides))

@@ -23,7 +23,7 @@ def report_cmd(run: str, as_json: bool) -> None:
     """Attribute RUN's loss spikes to shards: shard-selective (data first) or spread (LR, clipping, precision)."""
     from steadytrain.diagnose import report
     from steadytrain.diagnose.ledger import SPIKES
-    from steadytrain.train.rundir import open_run_dir
+    from steadytrain.rundir.layout import open_run_dir
 
     if not (Path(run) / SPIKES).is_file():  # a directory holding a spike ledger is enough
         open_run_dir(Path(run))
@@ -41,7 +41,7 @@ def hunt_cmd(run: str, shard: int | None, checkpoint: str | None, step: int | No
     """Examples of one shard (or one step) of RUN whose loss is an outlier against healthy shards': their fields
     out of the healthy range, and the shard's provenance difference."""
     from steadytrain.diagnose import hunt
-    from steadytrain.train.replay import run_model
+    from steadytrain.runs.replay import run_model
 
     found = hunt(Path(run), shard, loader=run_model, checkpoint=checkpoint, step=step, kind="spike")
     _json(found.to_dict()) if as_json else _print_hunt(found)
@@ -57,7 +57,7 @@ def demo_spike(root: str | None) -> None:
     from steadytrain._text import one_line
     from steadytrain.cli._common import log_handler
     from steadytrain.diagnose.spikedemo import run_demo
-    from steadytrain.train.replay import run_model
+    from steadytrain.runs.replay import run_model
 
     logger = logging.getLogger("steadytrain.diagnose")
     logger.handlers[:], logger.propagate = [log_handler()], False

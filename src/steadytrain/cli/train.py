@@ -26,13 +26,13 @@ def _handoff(nproc: int, argv: list[str]) -> None:
 
     A Ctrl-C reaches torchrun, which passes it to every rank: the ranks stop with a checkpoint and
     say how to resume; torchrun's own report of the signal is not printed as a traceback. The ranks
-    get this process's pid, and die with it (see :mod:`steadytrain.train.launcher`).
+    get this process's pid, and die with it (see :mod:`steadytrain.train.setup.launcher`).
     """
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
-    from steadytrain.train.launcher import LAUNCHER_PID
+    from steadytrain.train.setup.launcher import LAUNCHER_PID
 
     rest, skip = [], False
     for a in argv:
@@ -83,22 +83,22 @@ def train(
     """Train: the embedded default with no CONFIG, or CONFIG.yaml; under torchrun on every rank."""
     from pathlib import Path
 
-    from steadytrain.train.launcher import die_with_launcher
+    from steadytrain.train.setup.launcher import die_with_launcher
 
     die_with_launcher()  # a rank under torchrun: before anything else, so a launcher killed now takes it along
     from steadytrain.runs.report import report_after_training
-    from steadytrain.train.config import load_config
-    from steadytrain.train.loop import TrainingStopped
-    from steadytrain.train.loop import train as run_training
+    from steadytrain.train.job.loop import TrainingStopped
+    from steadytrain.train.job.loop import train as run_training
+    from steadytrain.train.setup.config import load_config
 
     if resume is not None and config is not None:
         raise click.UsageError("give CONFIG or --resume RUN_DIR, not both (a resumed run uses its own config.yaml)")
-    from steadytrain.train.rundir import open_run_dir
+    from steadytrain.rundir.layout import open_run_dir
 
     source = open_run_dir(Path(resume)).config if resume is not None else config
     cfg = load_config(source, list(overrides))
     if nproc is not None and "RANK" not in os.environ:
-        from steadytrain.train.setup import check_before_launch
+        from steadytrain.train.setup.pieces import check_before_launch
 
         check_before_launch(cfg, run_dir=Path(run_dir) if run_dir else None, resume=resume is not None)
         _handoff(nproc, sys.argv[1:])  # every mistake found here is said once, not once per rank
@@ -132,10 +132,10 @@ def show(config: str | None, overrides: tuple[str, ...], world_size: int) -> Non
     """Print the resolved config and its batch plan (effective batch, scaled LR, warmup and total steps)."""
     import torch
 
-    from steadytrain.train.config import load_config
-    from steadytrain.train.distributed import DistInfo
-    from steadytrain.train.holdout import holdout
-    from steadytrain.train.setup import build_dataset, check_model_args, data_path, resolve_plan
+    from steadytrain.train.setup.config import load_config
+    from steadytrain.train.setup.distributed import DistInfo
+    from steadytrain.train.setup.holdout import holdout
+    from steadytrain.train.setup.pieces import build_dataset, check_model_args, data_path, resolve_plan
 
     cfg = load_config(config, list(overrides))
     check_model_args(cfg, user_code=False)  # inspecting a config never runs a factory it names

@@ -157,7 +157,7 @@ def run_demo(
     """Build the data, train each variant on ``nproc`` ranks, and diagnose it; yields a :class:`DemoResult` each.
 
     ``loader`` builds a run's model for :func:`~steadytrain.diagnose.hunt.hunt` (the command passes
-    ``steadytrain.train.replay.run_model``).
+    ``steadytrain.runs.replay.run_model``).
 
     Raises:
         UserError: ``root`` (or a parent) is a file or cannot be created, another demo is writing there,

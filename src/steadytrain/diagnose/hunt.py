@@ -245,7 +245,7 @@ def _first_event_step(run_dir: Path, shard: int | None, ledger: str = LEDGER) ->
 Loader = Callable[..., tuple[nn.Module, dict[str, Any]]]
 """``loader(run_dir, checkpoint=..., before_step=...) -> (model, settings)``: builds a run's model with the
 weights of a checkpoint (or its initial weights) and the settings a replay needs. Building a model is the
-training layer's business: :func:`steadytrain.train.replay.run_model` is the one the command passes in."""
+training layer's business: :func:`steadytrain.runs.replay.run_model` is the one the command passes in."""
 
 
 def _load(
@@ -281,7 +281,7 @@ def hunt(
         run_dir: the run directory.
         shard: the suspect shard (``steadytrain nan report`` names it). Optional with ``step``.
         loader: builds the run's model and replay settings (see :data:`Loader`; diagnose never imports
-            train: ``steadytrain.train.replay.run_model`` is the usual one).
+            train: ``steadytrain.runs.replay.run_model`` is the usual one).
         checkpoint: the weights to use; default: the weights the run's first non-finite step involving
             ``shard`` (or ``step``) started from, that is the newest checkpoint at or before the step
             before it, or the run's initial weights (rebuilt from its seed) when it saved none that

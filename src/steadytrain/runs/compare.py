@@ -72,7 +72,7 @@ def data_record(rec: RunRecord) -> dict[str, Any] | None:
     path = rec.plan.get("data")
     if not path or not Path(path, "index.json").exists():
         return None
-    from steadytrain.train.runfiles import describe_data
+    from steadytrain.train.job.files import describe_data
 
     return {**describe_data(Path(path)), "read_now": True}
 

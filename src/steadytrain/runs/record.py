@@ -19,8 +19,8 @@ from steadytrain.diagnose import read_ledger
 from steadytrain.diagnose.ledger import SPIKES
 from steadytrain.env import EnvManifest
 from steadytrain.errors import UserError
-from steadytrain.train.rundir import RunDir, open_run_dir
-from steadytrain.train.runschema import (
+from steadytrain.rundir.layout import RunDir, open_run_dir
+from steadytrain.rundir.schema import (
     check_config,
     check_data,
     check_depth,

@@ -17,10 +17,10 @@ from typing import Any
 from steadytrain._io import load_json, one_line, write_text_atomic
 from steadytrain._text import error_text, md
 from steadytrain.errors import UserError
+from steadytrain.rundir.schema import check_nonfinite_report
 from steadytrain.runs import plots
 from steadytrain.runs.record import RunRecord, load_run, shown, smooth
-from steadytrain.train.runschema import check_nonfinite_report
-from steadytrain.train.throughput import describe, summarize
+from steadytrain.train.observe.throughput import describe, summarize
 
 __all__ = ["PLOTS", "Report", "environment_paragraph", "plan_sentence", "report", "report_after_training"]
 

@@ -67,7 +67,7 @@ class Repro:
 
 def _config(rec: RunRecord, notes: list[str]) -> Any:
     """The recorded config with deterministic algorithms on and the data the run read."""
-    from steadytrain.train.config import load_config
+    from steadytrain.train.setup.config import load_config
 
     overrides = ["run.deterministic=true"]
     data = rec.plan.get("data")
@@ -82,8 +82,8 @@ def _config(rec: RunRecord, notes: list[str]) -> Any:
 
 
 def _check_data(rec: RunRecord, cfg: Any, notes: list[str]) -> None:
-    from steadytrain.train.runfiles import describe_data
-    from steadytrain.train.setup import data_path
+    from steadytrain.train.job.files import describe_data
+    from steadytrain.train.setup.pieces import data_path
 
     recorded = (rec.data or {}).get("fingerprint")
     now = describe_data(data_path(cfg))["fingerprint"]
@@ -154,7 +154,7 @@ def repro(run: str | Path, steps: int | None = None, *, out: str | Path | None =
         UserError: not a run directory, no recorded metrics, the data is gone, ``out`` exists.
         Interrupted: SIGINT/SIGTERM during the re-run (``exit_code`` 130/143): nothing is compared.
     """
-    from steadytrain.train.loop import Interrupted, TrainingStopped, train
+    from steadytrain.train.job.loop import Interrupted, TrainingStopped, train
 
     if steps is not None:
         check_int("steps", steps)

@@ -118,7 +118,7 @@ def parse_factors(text: str) -> list[float]:
 def linear_estimate(cfg: Any, world_size: int) -> tuple[float, float | None]:
     """The linear-scaling LR for the config's effective batch, and the scale-up factor k (None: unscaled)."""
     from steadytrain.schedule import scale_lr
-    from steadytrain.train.setup import batch_plan
+    from steadytrain.train.setup.pieces import batch_plan
 
     global_batch = batch_plan(cfg, world_size).global_batch_size
     base = cfg.batch.base_batch_size
@@ -131,7 +131,7 @@ def _trial_config(cfg: Any, factor: float, steps: int) -> Any:
     """The config with LR = factor x the linear estimate (the linear rule from a scaled base LR), validated."""
     from pydantic import ValidationError
 
-    from steadytrain.train.config import error_line
+    from steadytrain.train.setup.config import error_line
 
     suffix = f"-lr-x{factor_tag(factor)}"
     trial = cfg.model_copy(deep=True)
@@ -147,7 +147,7 @@ def _trial_config(cfg: Any, factor: float, steps: int) -> Any:
 
 def _trial_configs(cfg: Any, factors: list[float], steps: int, root: Path, world: int) -> list[Any]:
     """Every trial's config, checked before the first one trains: a bad factor costs no training."""
-    from steadytrain.train.setup import batch_plan
+    from steadytrain.train.setup.pieces import batch_plan
 
     out = []
     for factor in factors:
@@ -190,7 +190,7 @@ def _check_new(path: Path) -> None:
 
 
 def _trial(trial_cfg: Any, factor: float, where: Path) -> dict[str, Any]:
-    from steadytrain.train.loop import Interrupted, TrainingStopped, train
+    from steadytrain.train.job.loop import Interrupted, TrainingStopped, train
 
     stopped = None
     try:
@@ -282,7 +282,7 @@ def sweep(cfg: Any, factors: list[float], steps: int, sweep_dir: str | Path) -> 
     """Train one short run per factor under ``sweep_dir``; write the table, the plot and ``sweep.json``.
 
     Args:
-        cfg: the :class:`~steadytrain.train.config.TrainConfig` to sweep (its batch plan is the target).
+        cfg: the :class:`~steadytrain.train.setup.config.TrainConfig` to sweep (its batch plan is the target).
         factors: multiples of the linear-scaling estimate to try.
         steps: optimizer steps per trial.
         sweep_dir: the sweep's directory; each trial's run directory is new inside it (never overwritten).

@@ -1,0 +1,86 @@
+"""``steadytrain eval RUN``: a run's checkpoint evaluated on its validation set (or another dataset).
+
+The model is built and wrapped as the run built it (DDP or FSDP2 under torchrun, alone otherwise),
+its weights are a checkpoint's, and the pass is :func:`~steadytrain.train.job.evaluate.evaluate`, the
+one the training loop runs, with the run's ``eval`` settings (micro-batch size, ``max_batches``):
+so ``eval RUN --step S`` gives the value ``metrics.jsonl`` recorded at step ``S``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from steadytrain._io import brief, load_json
+from steadytrain.errors import UserError
+from steadytrain.rundir.layout import RunDir, open_run_dir
+from steadytrain.rundir.schema import check_plan
+from steadytrain.train.checkpoint.catalog import checkpoint_at, restore
+from steadytrain.train.job.evaluate import evaluate
+from steadytrain.train.setup.config import TrainConfig, load_config
+from steadytrain.train.setup.distributed import DistInfo, init_distributed, teardown, wrap_model
+from steadytrain.train.setup.holdout import HeldOut, holdout
+from steadytrain.train.setup.models import build_model
+from steadytrain.train.setup.pieces import (
+    build_dataset,
+    build_evalset,
+    data_path,
+    fsdp_policy,
+    model_context,
+    resolve_plan,
+)
+
+__all__ = ["evaluate_run"]
+
+
+def _held_out(run: RunDir, held: HeldOut) -> list[int] | None:
+    """The shards the run held out: ``plan.json``'s list, or the same draw from ``run.seed`` (``held``) where the
+    plan does not record it (never None for a run that held shards out: that would evaluate on training shards)."""
+    if not held.shards:
+        return None
+    plan = load_json(run.plan, what="batch plan") if run.plan.exists() else {}
+    if not isinstance(plan, dict):
+        raise UserError(f"{run.plan}: {brief(plan)} is not a batch plan (a JSON object): the run directory is damaged")
+    saved = check_plan(plan, str(run.plan)).get("eval_shards")
+    return saved if saved is not None else held.shards
+
+
+def _evalset(cfg: TrainConfig, run: RunDir, info: DistInfo, data: Path | None) -> Any:
+    """The validation set the run used (its held-out shards or records, or ``eval.data``), or ``data`` in its place."""
+    path = data_path(cfg)
+    layout = resolve_plan(cfg, info.world_size, None)
+    held = holdout(cfg, path, layout.global_batch_size)  # the run's own draw
+    shards, rows = _held_out(run, held), held.rows
+    training = build_dataset(cfg, path, info, layout.accumulation_steps, shards, rows=held.training_rows)
+    if data is not None:
+        none = {"data": str(data), "holdout_shards": None, "holdout_fraction": None}
+        cfg = cfg.model_copy(update={"eval": cfg.eval.model_copy(update=none)})
+        shards, rows = None, None
+    elif not cfg.eval.enabled or (cfg.eval.data is None and held.empty):
+        why = held.note.removeprefix("validation: none: ") if held.note else "no eval section"
+        raise UserError(f"the run has no validation set ({why}): give one with --data PATH")
+    return build_evalset(cfg, path, shards, info, training, rows=rows)
+
+
+def evaluate_run(run_dir: str | Path, *, step: int | None = None, data: str | Path | None = None) -> dict[str, Any]:
+    """``{"step", "val_loss", "val_items"}`` of the run's checkpoint at ``step`` (default: the latest).
+
+    Raises:
+        UserError: not a run, no such checkpoint, no validation set, a dataset that does not fit.
+    """
+    run = open_run_dir(Path(run_dir))
+    cfg = load_config(run.config)
+    path = checkpoint_at(run.checkpoints, step)
+    info = init_distributed(cfg.distributed.backend)
+    try:
+        evalset = _evalset(cfg, run, info, Path(data) if data else None)
+        torch.manual_seed(cfg.run.seed)
+        model = build_model(cfg.model.name, cfg.model.kwargs(), context=model_context(cfg, data_path(cfg)))
+        model = wrap_model(model, info, cfg.distributed.strategy, fsdp_policy(cfg))
+        state = restore(path, model, None, no_dist=info.backend is None)  # each rank reads what it holds
+        result = evaluate(model, evalset, info, precision=cfg.precision)
+        return result.row(int(state["step"])) | {"checkpoint": str(path)}
+    finally:
+        teardown(info)

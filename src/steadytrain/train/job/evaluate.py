@@ -1,0 +1,150 @@
+"""The validation pass: the mean per-example loss over the validation examples, the same on any world size.
+
+Every rank evaluates its disjoint slice (:class:`~steadytrain.data.EvalSet`) with the model in
+``eval()`` mode under ``torch.no_grad()``; the sums of the per-example losses (float64), the counts
+and the non-finite counts are all-reduced once and read in one host sync. The pass leaves training
+as it found it: the model's mode, and every random stream (``torch.random.fork_rng``: CPU and the
+current CUDA device) are restored, and it reads its own data, so a run with evaluation trains
+bit for bit like one without.
+
+Under DDP the wrapped module is called directly (a DDP forward would synchronise buffers, and ranks
+may hold one micro-batch more than others); under FSDP2 every forward is a collective, so every rank
+runs :attr:`EvalSet.forwards` of them, padding with a real batch whose losses are not counted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from steadytrain.data import EvalSet
+from steadytrain.train.setup.distributed import DistInfo
+from steadytrain.train.setup.models import check_losses
+
+__all__ = ["EvalResult", "Validation", "evaluate", "precision_context"]
+
+log = logging.getLogger("steadytrain.train")
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    """One evaluation: ``val_loss`` (None when not finite), the examples counted, the non-finite ones."""
+
+    val_loss: float | None
+    val_items: int
+    nonfinite: int
+
+    def row(self, step: int) -> dict[str, Any]:
+        """The ``metrics.jsonl`` row: ``step``, ``val_loss``, ``val_items`` (and ``val_nonfinite`` when any)."""
+        out: dict[str, Any] = {"step": step, "val_loss": self.val_loss, "val_items": self.val_items}
+        return out | ({"val_nonfinite": self.nonfinite} if self.nonfinite else {})
+
+
+def precision_context(device: torch.device, precision: str) -> Any:
+    """The autocast the run's forward passes use (``fp32``: none)."""
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=torch.bfloat16 if precision == "bf16" else torch.float16)
+
+
+def _callable(model: nn.Module) -> tuple[nn.Module, bool]:
+    """What to call, and whether every rank must call it equally often (FSDP2: a forward is a collective)."""
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        return model.module, False
+    from torch.distributed.fsdp import FSDPModule
+
+    return model, isinstance(model, FSDPModule)
+
+
+def _losses(out: Any, n: int) -> torch.Tensor:
+    """Per-example losses ``[n]`` as float64 (a scalar mean counts as ``n`` equal losses)."""
+    out = check_losses(out, n).detach().double()
+    return out.expand(n) if out.dim() == 0 else out
+
+
+def _to(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+def evaluate(model: nn.Module, evalset: EvalSet, info: DistInfo, *, precision: str = "fp32") -> EvalResult:
+    """The validation loss of ``model`` over ``evalset`` on every rank (a collective when distributed)."""
+    net, lockstep = _callable(model)
+    was_training = net.training
+    totals = torch.zeros(3, dtype=torch.float64, device=info.device)  # loss sum, examples, non-finite
+    devices = [info.device] if info.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices), torch.no_grad():
+        net.eval()
+        try:
+            first = None
+            for batch in evalset:
+                first = first or batch
+                n = len(batch["index"])
+                with precision_context(info.device, precision):
+                    losses = _losses(net(_to(batch, info.device)), n)
+                totals += torch.stack([losses.sum(), losses.new_tensor(n), (~torch.isfinite(losses)).sum().double()])
+            for _ in range(evalset.forwards - evalset.real if lockstep else 0):  # the same forwards on every rank
+                with precision_context(info.device, precision):
+                    net(_to(first or evalset.pad_batch(), info.device))
+        finally:
+            net.train(was_training)
+    if info.backend is not None:
+        dist.all_reduce(totals)
+    loss_sum, items, nonfinite = totals.tolist()  # host sync: once per evaluation
+    val = loss_sum / items if items and math.isfinite(loss_sum) else None
+    if nonfinite:
+        log.warning("evaluation: %d of %d validation losses are not finite", int(nonfinite), int(items))
+    return EvalResult(val, int(items), int(nonfinite))
+
+
+@dataclass
+class Validation:
+    """When a run evaluates, the best validation loss so far, and early stopping (part of a checkpoint)."""
+
+    evalset: EvalSet
+    every_steps: int | None
+    patience: int | None
+    best_loss: float | None = None
+    best_step: int | None = None
+    bad: int = 0
+    """Evaluations since the best one (early stopping counts these)."""
+
+    def due(self, step: int, last: int) -> bool:
+        """Whether to evaluate after optimizer ``step`` (``last``: the run's final step, always evaluated)."""
+        return step == last or (self.every_steps is not None and step % self.every_steps == 0)
+
+    def record(self, result: EvalResult, step: int) -> tuple[bool, str | None]:
+        """Take ``result`` of ``step``: ``(improved, why to stop early or None)``."""
+        improved = result.val_loss is not None and (self.best_loss is None or result.val_loss < self.best_loss)
+        if improved:
+            self.best_loss, self.best_step, self.bad = result.val_loss, step, 0
+        else:
+            self.bad += 1
+        if self.patience is not None and self.bad >= self.patience:
+            best = f"best {self.best_loss:.6g} at step {self.best_step}" if self.best_step else "none finite"
+            return improved, (
+                f"early stopping at step {step}: the validation loss has not improved for {self.bad} "
+                f"evaluation(s) (eval.patience={self.patience}; {best})"
+            )
+        return improved, None
+
+    def ended(self, step: int) -> str | None:
+        """Why a run resumed at ``step`` with this state has already ended by early stopping (None: it has not)."""
+        if self.patience is None or self.bad < self.patience:
+            return None
+        return (
+            f"the run ended by early stopping at step {step} ({self.bad} evaluation(s) without improvement, "
+            f"eval.patience={self.patience}); to train on, raise it: --set eval.patience={self.bad + 1} or more"
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"best_loss": self.best_loss, "best_step": self.best_step, "bad": self.bad}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.best_loss, self.best_step, self.bad = state["best_loss"], state["best_step"], int(state["bad"])

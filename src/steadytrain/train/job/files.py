@@ -1,0 +1,335 @@
+"""What a run writes besides checkpoints: config, plan, environment, ledger, exposure, summary.
+
+Rank 0 writes the shared files; every rank appends its own non-finite events. Decisions that
+could differ by rank (the run directory exists, the contract fails) are agreed over all ranks
+first, so every rank stops with the same one-line error instead of some waiting forever.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from steadytrain._io import load_json, read_jsonl, write_text_atomic
+from steadytrain._text import md
+from steadytrain._yamlio import load_yaml
+from steadytrain.errors import UserError
+from steadytrain.rundir.layout import RunDir, claim_run_dir, lock_run, open_run_dir
+from steadytrain.rundir.schema import check_plan, read_metrics, read_resumes
+from steadytrain.train.observe.throughput import describe, summarize
+from steadytrain.train.setup.distributed import DistInfo, agree, barrier
+
+if TYPE_CHECKING:
+    from steadytrain.train.job.core import Job
+    from steadytrain.train.setup.config import TrainConfig
+    from steadytrain.train.setup.holdout import HeldOut
+    from steadytrain.train.setup.pieces import RunPlan
+
+log = logging.getLogger("steadytrain.train")
+
+
+def prepare(
+    cfg: TrainConfig,
+    info: DistInfo,
+    plan: RunPlan,
+    *,
+    run_dir: Path | None,
+    resume: Path | None,
+    data: Path,
+    held_out: HeldOut | None = None,
+) -> tuple[RunDir, Any, dict[str, list[Any]]]:
+    """The run directory, locked by rank 0 for the run's lifetime: claimed new (never overwritten), or
+    the one to resume with what the resume changes (refused in one line if it cannot be honoured).
+
+    Returns ``(run, lock, changes)``; ``lock`` is None on other ranks (release it when done).
+    """
+    from steadytrain.train.checkpoint.catalog import check_latest
+
+    error, lock, changes = None, None, {}
+    path = Path(resume or run_dir or Path(cfg.run.dir) / cfg.run.name)
+    if info.is_main:
+        try:
+            if resume is not None:
+                run = open_run_dir(path)
+                check_latest(run.checkpoints)
+                lock = lock_run(run, record=False)  # its owner is recorded once the resume's checks pass
+                changes = _resume_changes(cfg, plan, run)
+            else:
+                run = claim_run_dir(path)
+                lock = lock_run(run)
+                run.write_config(resolved_config(cfg))
+                run.write_json(run.plan, {**plan.to_dict(), "data": str(Path(data).resolve()), **_held(held_out)})
+                shards = held_out.shards if held_out else None
+                run.write_json(run.data, describe_data(data, held_out=shards, validation=cfg.eval.data))
+        except UserError as err:
+            error = str(err)
+            if lock is not None:
+                lock.release()
+    agree(info, error)
+    return RunDir(path), lock, changes
+
+
+_PATHS = (("data", "path"), ("data", "schema"), ("env", "contract"))
+"""Config keys that name files: stored absolute, so the run resumes and compares from any directory."""
+
+
+def check_run_files(run: RunDir, plan: dict[str, Any]) -> None:
+    """Before a resume appends to them: every log and record of the run as its readers check them (a
+    damaged line is one error naming file and line, never carried on under new rows)."""
+    from steadytrain.diagnose import read_exposure, read_ledger
+    from steadytrain.diagnose.ledger import SPIKES
+
+    check_plan(plan, str(run.plan))
+    read_metrics(run.metrics)
+    read_resumes(run.resumes)
+    read_ledger(run.path)
+    read_ledger(run.path, SPIKES)
+    read_exposure(run.path)
+
+
+def resolved_config(cfg: TrainConfig) -> dict[str, Any]:
+    """``cfg`` as plain data with the paths it names made absolute (what ``config.yaml`` holds)."""
+    out = cfg.to_dict()
+    if cfg.eval.enabled and cfg.eval.micro_batch_size is None:  # the validation set stays the same size if
+        out["eval"]["micro_batch_size"] = cfg.batch.micro_batch_size  # a resume changes the training micro batch
+    for section, key in _PATHS:
+        if out[section].get(key):
+            out[section][key] = str(Path(out[section][key]).resolve())
+    return out
+
+
+def _resume_changes(cfg: TrainConfig, plan: RunPlan, run: RunDir) -> dict[str, list[Any]]:
+    """What ``cfg`` changes in the run's saved config; a UserError for what a resume cannot honour."""
+    from steadytrain.train.checkpoint.catalog import list_checkpoints
+    from steadytrain.train.job.resume import config_changes, refuse_changes
+
+    found = list_checkpoints(run.checkpoints)
+    if not found:
+        raise UserError(f"{run.path}: no checkpoint to resume from (checkpoints/ is empty)")
+    saved = load_yaml(run.config, what="run config")
+    saved_plan = load_json(run.plan, what="batch plan") if run.plan.exists() else {}
+    if not isinstance(saved, dict) or not isinstance(saved_plan, dict):
+        raise UserError(f"{run.path}: config.yaml or plan.json is not a mapping: the run directory is damaged")
+    check_run_files(run, saved_plan)
+    changes = config_changes(saved, resolved_config(cfg))
+    saved_eval = saved.get("eval") if isinstance(saved.get("eval"), dict) else {}
+    evaluated = any(saved_eval.get(k) is not None for k in ("data", "holdout_shards", "holdout_fraction"))
+    refuse_changes(changes, saved_plan, plan.to_dict(), found[-1][0], str(run.path), evaluated=evaluated)
+    return changes
+
+
+def _held(held_out: HeldOut | None) -> dict[str, Any]:
+    """``plan.json``'s record of the hold-out: ``eval_shards`` (the held-out shards, or None) and, when records of
+    the shards are held out instead, ``eval_records`` (how many)."""
+    if held_out is None:
+        return {"eval_shards": None}
+    records = {"eval_records": held_out.rows.total} if held_out.rows is not None else {}
+    return {"eval_shards": held_out.shards or None, **records}
+
+
+def describe_data(
+    path: Path, max_odd: int = 100, *, held_out: list[int] | None = None, validation: str | None = None
+) -> dict[str, Any]:
+    """What a run trains on, for ``compare`` and ``repro``: fingerprint, size, the majority provenance
+    and the shards whose provenance differs from it (at most ``max_odd``; reads the index only); the
+    shards held out for validation with their provenance, or the separate validation set's description."""
+    from steadytrain.data import majority_provenance, open_dataset, provenance_outliers
+
+    ds = open_dataset(path)
+    odd = provenance_outliers(ds)
+    extra: dict[str, Any] = {}
+    if held_out:
+        extra["holdout"] = {str(s): ds.shard(s).provenance for s in held_out}
+    if validation is not None:
+        extra["validation"] = describe_data(Path(validation), max_odd)
+    return extra | {
+        "path": str(Path(path).resolve()),
+        "fingerprint": ds.fingerprint(),
+        "shards": len(ds.shards),
+        "records": ds.num_records,
+        "provenance": majority_provenance(ds),
+        "outliers": {str(k): {f: list(v) for f, v in d.items()} for k, d in sorted(odd.items())[:max_odd]},
+        "outliers_total": len(odd),
+    }
+
+
+def check_environment(cfg: TrainConfig, info: DistInfo) -> Any:
+    """Capture this rank's manifest and check the contract on every rank (all fail together)."""
+    from steadytrain.env import Contract, capture, check
+
+    manifest = capture()
+    error = None
+    if cfg.env.contract:
+        violations = check(manifest, Contract.load(cfg.env.contract))
+        if violations and cfg.env.on_violation == "fail":
+            error = (
+                f"rank {info.rank}: environment breaks {cfg.env.contract}: {violations[0]} (or env.on_violation=warn)"
+            )
+        for v in violations if not error else ():
+            log.warning("rank %d: contract %s: %s", info.rank, cfg.env.contract, v)
+    agree(info, error)
+    return manifest
+
+
+def record_environment(info: DistInfo, run: RunDir, manifest: Any, *, resume: bool) -> None:
+    """Rank 0 writes its manifest; ranks whose image or host differ are reported by rank and field."""
+    from steadytrain.env import compare_ranks, gather_manifests
+
+    manifests = gather_manifests(manifest)
+    if not info.is_main or resume:
+        return
+    run.write_json(run.env, manifest.to_dict())
+    differing = compare_ranks(manifests) if manifests else {}
+    if differing:
+        report = {str(r): [d.__dict__ for d in diffs] for r, diffs in differing.items()}
+        run.write_json(run.path / "env.ranks.json", report)
+        for r, diffs in differing.items():
+            fields = "; ".join(f"{d.path}: {d.a} vs {d.b}" for d in diffs[:5])
+            log.warning("rank %d differs from rank 0: %s", r, fields)
+
+
+def truncate_logs(run: RunDir, step: int, *, rollbacks: int | None) -> None:
+    """Drop log lines past ``step`` (written after the checkpoint a resume or a rollback starts from) and a torn
+    last line. A rollback's lines (its metrics row, its spike records) stay when the state at ``step`` had been
+    through it (``rollbacks``: how many it had; None: all of them, the state of a rollback in progress)."""
+
+    def keep(row: Any) -> bool:
+        if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+            return True
+        if "rollback" in row and isinstance(row["rollback"], int):
+            return rollbacks is None or row["rollback"] <= rollbacks
+        return row["step"] <= step
+
+    for path in (run.metrics, run.nonfinite, run.spikes):
+        if not path.exists() or (path == run.spikes and rollbacks is None):
+            continue
+        rows = read_jsonl(path, what=path.name)
+        write_text_atomic(path, "".join(json.dumps(r, allow_nan=False) + "\n" for _, r in rows if keep(r)))
+
+
+def record_resume(job: Job, checkpoint: str) -> None:
+    """Rank 0: ``resumes.jsonl`` gets this resume; ``config.yaml`` and ``plan.json`` the values now in force."""
+    from steadytrain.train.job.resume import record_resume as append
+
+    append(job.run, step=job.state.step, world_size=job.info.world_size, checkpoint=checkpoint, changes=job.changes)
+    saved = load_json(job.run.plan, what="batch plan") if job.run.plan.exists() else {}
+    plan = {**job.plan.to_dict(), "data": saved.get("data"), **_held(job.held_out)}
+    if job.changes:
+        job.run.write_config(resolved_config(job.cfg))
+        for key, (old, new) in job.changes.items():
+            log.warning("resume: %s changed from %r to %r (applied from step %d)", key, old, new, job.state.step + 1)
+    if saved != plan:
+        job.run.write_json(job.run.plan, plan)
+
+
+def decay_listing(optimizer: Any, no_decay: list[str]) -> str:
+    """One line: the weight decay of each param group, with its tensor and element counts."""
+    parts = []
+    for g in optimizer.param_groups:
+        n = sum(p.numel() for p in g["params"])
+        parts.append(f"{g['weight_decay']:g} on {len(g['params'])} tensors ({n:,} parameters)")
+    exempt = f"exempt: {', '.join(no_decay)}" if no_decay else "nothing exempt"
+    return f"weight decay {'; '.join(parts)} ({exempt}; optim.no_decay)"
+
+
+def log_start(job: Job) -> None:
+    p = job.plan
+    if not job.info.is_main:
+        return
+    rule = (
+        f"{p.scaling_rule} x{p.global_batch_size / p.base_batch_size:g} from {p.base_lr:g} @ {p.base_batch_size}"
+        if p.base_batch_size
+        else "unscaled"
+    )
+    log.info(
+        "effective batch %d = micro %d x accumulation %d x world %d; lr %.4g (%s); warmup %d of %d optimizer steps",
+        p.global_batch_size,
+        p.micro_batch_size,
+        p.accumulation_steps,
+        p.world_size,
+        p.lr,
+        rule,
+        p.warmup_steps,
+        p.total_steps,
+    )
+    log.info("%s", decay_listing(job.optimizer, job.cfg.optim.no_decay))
+    if p.dropped_per_epoch:
+        log.info("%d example(s) per epoch do not fill a global batch and are not used", p.dropped_per_epoch)
+    log.info("run directory: %s", job.run.path)
+
+
+def record_nonfinite(job: Job, event: Any) -> None:
+    """Append this rank's record of a refused step to the ledger (one write and fsync: survives a kill)."""
+    from steadytrain.diagnose.ledger import append_event
+
+    append_event(job.run.nonfinite, event, job.state.step)
+    log.warning("step %d skipped on rank %d: %s", job.state.step, job.info.rank, event.message(job.state.step))
+
+
+def write_exposure(job: Job) -> dict[int, int]:
+    """Examples seen per shard over all ranks, written by rank 0 to ``exposure.json`` (a collective)."""
+    exposure = job.state.global_exposure(job.info, job.ds.shard_ids)
+    if job.info.is_main:
+        job.run.write_json(job.run.exposure, {str(k): v for k, v in sorted(exposure.items())})
+    return exposure
+
+
+def _nonfinite_report(job: Job) -> str | None:
+    """Rank 0: the diagnosis of a run that refused steps, written beside the ledger; its sentence."""
+    from steadytrain.diagnose import report
+
+    if not job.acc.skipped_steps or not job.run.nonfinite.exists():
+        return None
+    rep = report(job.run.path)
+    job.run.write_json(job.run.path / "nonfinite_report.json", rep.to_dict())
+    log.warning("non-finite steps: %s", rep.sentence)
+    return rep.sentence
+
+
+def finish(job: Job, stopped: str | None) -> dict[str, Any]:
+    """Write ``summary.md``; log and return the run's numbers."""
+    last = job.metrics.last if job.metrics else {}
+    summary = {
+        "run_dir": str(job.run.path),
+        "steps": job.state.step,
+        "skipped_steps": job.acc.skipped_steps,
+        "final_loss": last.get("loss"),
+        "elapsed_s": round(job.metrics.elapsed(), 1) if job.metrics else 0.0,
+        "stopped": stopped,
+    }
+    if job.compile_s is not None:
+        summary["compile_s"] = job.compile_s  # part of elapsed_s (and of the first step's time)
+    if job.info.is_main:
+        p = job.plan
+        lines = [
+            f"# Run {md(job.run.path.name)}",
+            "",
+            f"- effective batch {p.global_batch_size} = micro {p.micro_batch_size} x accumulation "
+            f"{p.accumulation_steps} x world {p.world_size}; peak LR {p.lr:.4g} ({p.scaling_rule} rule)",
+            f"- optimizer steps {job.state.step} of {p.total_steps}, skipped {job.acc.skipped_steps}",
+            f"- final loss {summary['final_loss']}, wall time {summary['elapsed_s']} s",
+        ]
+        if job.run.metrics.exists():  # the whole run's rows (a resumed run's earlier ones too)
+            summary |= summarize(read_metrics(job.run.metrics)[0])
+        if text := describe(summary):
+            lines.append(f"- throughput: {text}")
+        if stopped:
+            lines.append(f"- stopped early: {md(stopped)}")
+        if (v := job.validation) is not None and v.best_step is not None:
+            lines.append(f"- best validation loss {v.best_loss:.6g} at step {v.best_step}")
+        if sentence := _nonfinite_report(job):
+            lines.append(f"- non-finite steps: {md(sentence)} (nonfinite\\_report.json)")
+        write_text_atomic(job.run.summary, "\n".join(lines) + "\n")  # the command adds plots (runs.report)
+        log.info(
+            "%s: %d steps (%d skipped), final loss %s, %.1f s; run directory %s",
+            "stopped" if stopped else "done",
+            job.state.step,
+            job.acc.skipped_steps,
+            summary["final_loss"],
+            summary["elapsed_s"],
+            job.run.path,
+        )
+    barrier(job.info)
+    return summary

@@ -1,0 +1,392 @@
+"""``steadytrain train``: the training job, top to bottom.
+
+build (plan, data, model, optimizer, schedule, accumulator) -> run directory and environment ->
+resume -> steps (K micro-batches each, through the accumulator) -> metrics, checkpoints, ledger ->
+summary. Every rank runs the same number of steps (the data's global order makes them equal);
+rank 0 writes the run directory, every rank appends its own non-finite events.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from steadytrain._io import write_text_atomic
+from steadytrain.accumulate import NonFiniteGradientError
+from steadytrain.accumulate.events import SPIKE
+from steadytrain.errors import UserError
+from steadytrain.rundir.layout import record_owner
+from steadytrain.train.checkpoint.catalog import latest_checkpoint, restore, state_file
+from steadytrain.train.checkpoint.writer import CheckpointFailed, CheckpointWriter
+from steadytrain.train.hf.model import hf_run_files
+from steadytrain.train.job import files as runfiles
+from steadytrain.train.job.core import Interrupted, Job, TrainingStopped
+from steadytrain.train.job.ending import end_job
+from steadytrain.train.job.evaluate import Validation, evaluate, precision_context
+from steadytrain.train.job.restore import ROLLED_BACK, fresh_optimizer_state, keep_for_rollback, restore_rng, rollback
+from steadytrain.train.job.resume import apply_hyperparameters, hyperparameters
+from steadytrain.train.job.spikes import SpikeGuard
+from steadytrain.train.job.state import TrainState
+from steadytrain.train.job.stop import StopRequest
+from steadytrain.train.observe.metrics import MetricsLog, Progress
+from steadytrain.train.observe.profiling import StepProfiler
+from steadytrain.train.observe.throughput import for_run
+from steadytrain.train.observe.trackers import start_trackers
+from steadytrain.train.setup.config import TrainConfig
+from steadytrain.train.setup.distributed import DistInfo, init_distributed, wrap_model
+from steadytrain.train.setup.holdout import holdout
+from steadytrain.train.setup.models import build_model, check_losses
+from steadytrain.train.setup.pieces import (
+    build_accumulator,
+    build_dataset,
+    build_evalset,
+    build_loader,
+    build_optimizer,
+    data_path,
+    fsdp_policy,
+    model_context,
+    resolve_plan,
+)
+from steadytrain.train.setup.speed import speed_up
+
+__all__ = ["Interrupted", "TrainingStopped", "train"]
+
+log = logging.getLogger("steadytrain.train")
+
+
+def train(
+    cfg: TrainConfig,
+    *,
+    run_dir: Path | None = None,
+    resume: Path | None = None,
+    stop_after: int | None = None,
+    report: Callable[[str, str | None], Any] | None = None,
+) -> dict[str, Any]:
+    """Run the job ``cfg`` describes (or continue ``resume``); returns the summary's numbers.
+
+    ``stop_after`` ends the run after that many optimizer steps while the LR schedule still spans the
+    planned total, so the steps taken are exactly the first steps of the full run. ``report`` is called
+    on rank 0 with the run directory and why it stopped (None: it finished) when the run has ended, before
+    its experiment trackers close: ``steadytrain train`` draws the plots there, so they reach the trackers.
+    """
+    info = init_distributed(cfg.distributed.backend)
+    job, ending = None, None
+    with contextlib.ExitStack() as signals:
+        try:
+            job = _build(cfg, info, run_dir, resume)
+            job.stop_after = stop_after
+            job.stop = signals.enter_context(StopRequest(info))  # its handlers until the job has ended (end_job)
+            summary = _run(job)
+            ending = (summary.get("stopped"), "FINISHED")
+            return summary
+        except TrainingStopped as err:
+            ending = (err.reason, "KILLED" if isinstance(err, Interrupted) else "FAILED")
+            raise
+        finally:
+            end_job(info, job, ending, report)  # the report before the ranks part: see steadytrain.train.job.ending
+
+
+def _build(cfg: TrainConfig, info: DistInfo, run_dir: Path | None, resume: Path | None) -> Job:
+    from steadytrain.env import seed_everything
+
+    seed_everything(cfg.run.seed, cfg.run.deterministic)
+    path = data_path(cfg)
+    layout = resolve_plan(cfg, info.world_size, None)
+    held = holdout(cfg, path, layout.global_batch_size)
+    ds = build_dataset(cfg, path, info, layout.accumulation_steps, held.shards, rows=held.training_rows)
+    plan = resolve_plan(cfg, info.world_size, ds.steps_per_epoch, ds.dropped_per_epoch)
+    evalset = build_evalset(cfg, path, held.shards, info, ds, rows=held.rows)  # refused here, before any step
+    torch.manual_seed(cfg.run.seed)  # the same initial weights on every rank
+    model = build_model(cfg.model.name, cfg.model.kwargs(), context=model_context(cfg, path))
+    hf_files = hf_run_files(model, path) if info.is_main else {}  # config.json, tokenizer: `export --format hf`
+    compiled = speed_up(model, cfg.model, announce=info.is_main)  # checkpointing, then compile: before the wrap
+    model = wrap_model(model, info, cfg.distributed.strategy, fsdp_policy(cfg))
+    optimizer = build_optimizer(cfg, model, plan.lr, info.device)
+    scaler = torch.amp.GradScaler(info.device.type) if cfg.precision == "fp16" else None
+    acc = build_accumulator(cfg, model, optimizer, plan, scaler)
+    manifest = runfiles.check_environment(cfg, info)  # before anything is written: a refusal leaves no run dir
+    run, lock, changes = runfiles.prepare(cfg, info, plan, run_dir=run_dir, resume=resume, data=path, held_out=held)
+    for name, text in hf_files.items():
+        write_text_atomic(run.path / name, text)
+    job = Job(cfg, info, plan, run, model, optimizer, acc, ds, scaler, lock=lock, changes=changes)
+    job.compiled, job.held_out = compiled, held
+    if evalset is not None:
+        job.validation = Validation(evalset, cfg.eval.every_steps, cfg.eval.patience)
+    job.loader = build_loader(cfg, ds, info.device)
+    job.spikes = SpikeGuard(cfg.spike, info, run.spikes, warmup_steps=plan.warmup_steps)
+    if job.spikes.decides:  # the flag is read with the gradient norm, in the step's one host read
+        acc.veto = lambda norm: job.spikes.veto(job.state.step + 1, job.step_loss / job.step_micros, norm)
+    job.state = TrainState(acc.scheduler, acc, ds, scaler, job.validation, job.spikes)
+    job.writer = CheckpointWriter(
+        run.checkpoints, info, use_async=cfg.checkpoint.async_, keep_last=cfg.checkpoint.keep_last
+    )
+    job.writer.guard(optimizer)  # an asynchronous save's copy of the state completes before the next update
+    try:
+        runfiles.record_environment(info, run, manifest, resume=resume is not None)
+        if resume is not None:
+            _resume(job)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+    return job
+
+
+def _resume(job: Job) -> None:
+    path = latest_checkpoint(job.run.checkpoints)
+    if path is None:
+        raise UserError(f"{job.run.path}: no checkpoint to resume from (checkpoints/ is empty)")
+    configured = hyperparameters(job.optimizer)  # the config's settings, before the checkpoint's replace them
+    saved = restore(path, job.model, job.optimizer, no_dist=job.info.backend is None)  # each rank its shards
+    fresh_optimizer_state(job, saved["step"])
+    job.state.load_state_dict(saved["train"], is_main=job.info.is_main, where=state_file(path))
+    apply_hyperparameters(job.optimizer, job.acc.scheduler, configured)  # a new LR or schedule applies from here
+    restore_rng(job, path, saved)
+    if job.validation is not None and (ended := job.validation.ended(job.state.step)):
+        raise UserError(f"--resume {job.run.path}: {ended}")  # nothing written yet: the run stays as it was
+    if job.info.is_main:
+        record_owner(job.run)  # the first write of a resume: every check before it changed nothing
+        runfiles.truncate_logs(job.run, job.state.step, rollbacks=job.spikes.rollbacks)
+        runfiles.record_resume(job, path.name)
+        log.info("resumed %s at step %d from %s", job.run.path, job.state.step, path.name)
+
+
+def _run(job: Job) -> dict[str, Any]:
+    total = job.plan.total_steps
+    progress = Progress(total, job.state.step) if job.info.is_main else None
+    meter, profiler = _instruments(job)
+    job.metrics = MetricsLog(
+        job.run,
+        job.info,
+        items_per_step=job.plan.global_batch_size,
+        max_grad_norm=job.cfg.clip.max_grad_norm,
+        total_steps=total,
+        elapsed_before=job.state.elapsed_before,
+        progress=progress,
+        spikes=job.spikes if job.spikes.collects else None,
+        throughput=meter,
+        trackers=start_trackers(job.run, job.cfg, job.info, step=job.state.step),
+    )
+    runfiles.log_start(job)
+    held = job.held_out
+    if job.info.is_main and held is not None and held.note:  # what validation holds out (here: a refusal is 1 line)
+        (log.warning if held.empty else log.info)("%s", held.note)
+    sp = job.cfg.spike
+    if sp.policy != "off" and job.info.is_main and sp.window + job.plan.warmup_steps >= _last_step(job):
+        log.info(  # a fact of every short run (sweep trials, tests), not a problem: said once, with the plan
+            "spike.window=%d after %d warmup step(s) covers the run's %d steps: no step can be judged a spike",
+            sp.window, job.plan.warmup_steps, _last_step(job),
+        )  # fmt: skip
+    if job.cfg.spike.policy == "rollback" and latest_checkpoint(job.run.checkpoints) is None:
+        _checkpoint(job)  # the state a spike before the first periodic checkpoint rolls back to
+        job.writer.wait_staged()  # its copy of the optimizer state is taken before that state is dropped
+        fresh_optimizer_state(job, 0)
+    stopped = None
+    try:
+        stopped = _steps(job, profiler)
+    finally:
+        profiler.close()
+        job.metrics.flush()  # the trackers stay open until the run's report is written (end_run)
+        if progress is not None:
+            progress.close()
+    _checkpoint(job)
+    try:
+        job.writer.wait()  # the run ends when its last checkpoint is complete
+    except CheckpointFailed as err:
+        stopped = stopped or f"{err}: the run's last state is not saved"
+    if stopped == job.ended:  # early stopping: a run that ends well
+        stopped = None
+    if not stopped and job.acc.skipped_steps and job.acc.optimizer_steps == 0:
+        stopped = f"no update was applied: every one of the {job.state.step} optimizer steps was non-finite and skipped"
+    summary = runfiles.finish(job, stopped or job.ended)
+    if not stopped:
+        return summary
+    if job.stop is not None and job.stop.stopped:
+        how = f"checkpoint written at step {job.state.step}; resume with: steadytrain train --resume {job.run.path}"
+        err: TrainingStopped = Interrupted(f"{stopped}; {how}", job.stop.exit_code)
+    else:
+        err = TrainingStopped(stopped)
+    err.run_dir, err.reason = str(job.run.path), stopped
+    raise err
+
+
+def _instruments(job: Job) -> tuple[Any, StepProfiler]:
+    """The run's throughput figures (FLOPs counted on the first micro-batch the loop reads, on a meta copy of the
+    model: see :mod:`~steadytrain.train.observe.throughput`) and its profiler (``run.profile``; a no-op when absent)."""
+    info, cfg = job.info, job.cfg
+    meter = for_run(
+        info.device, info.world_size, job.plan.global_batch_size, job.plan.accumulation_steps,
+        precision=cfg.precision, peak=cfg.run.peak_flops, is_main=info.is_main,
+    )  # fmt: skip
+    job.loader = meter.on_first(job.loader, job.model, info.is_main)
+    prof = cfg.run.profile
+    profiler = StepProfiler(
+        prof and prof.start_step, prof.steps if prof else 0, done=job.state.step, last_step=_last_step(job),
+        out=job.run.path / "profile", rank=info.rank, device=info.device,
+    )  # fmt: skip
+    return meter, profiler
+
+
+def _steps(job: Job, profiler: StepProfiler) -> str | None:
+    """Optimizer steps until the plan's total; returns why it stopped early, or None."""
+    total, resumed = _last_step(job), job.state.step > 0
+    while job.state.step < total:
+        if not resumed:
+            job.ds.set_epoch(job.state.epoch)
+        resumed = False
+        for mb in job.loader:
+            if job.spikes.skipped and job.spikes.skips(job.ds.global_step):
+                continue  # a batch a rolled-back spike ended at: never trained on
+            try:
+                result, loss = _micro_batch(job, mb)
+            except NonFiniteGradientError:  # nonfinite.policy=raise: every rank decided the same
+                return _raised(job)
+            if result is None:
+                continue
+            reason = _after_step(job, result, loss)
+            profiler.step()  # once per optimizer step
+            if reason is ROLLED_BACK:
+                resumed = True  # the data continues from the checkpoint's position
+                break
+            if reason or job.state.step >= total:
+                return reason
+        else:
+            job.state.epoch += 1
+    return None
+
+
+def _raised(job: Job) -> str:
+    """Record the refused step that ``nonfinite.policy=raise`` stops at; the reason to stop."""
+    job.state.step += 1
+    event = job.acc.nonfinite_events[-1]
+    job.metrics.add(job.state.step, torch.tensor(float("nan")), job.lr, event.grad_norm, True)
+    runfiles.record_nonfinite(job, event)
+    runfiles.write_exposure(job)  # a collective: every rank raised at this step
+    return f"non-finite step {job.state.step} (nonfinite.policy=raise): see {job.run.nonfinite}"
+
+
+def _micro_batch(job: Job, mb: dict[str, Any]) -> tuple[Any, torch.Tensor]:
+    """One forward and backward inside the accumulator; the step's result when it ended a cycle.
+
+    The micro-batch's tag carries its shards and example indices (host tensors, from the data) and,
+    when the model returns per-example losses, which of them were non-finite: a device tensor computed
+    from this rank's own losses before the backward (so before any all-reduce), read only if the step
+    is refused (see :func:`steadytrain.diagnose.ledger.event_record`). No host sync here.
+    """
+    dev = job.info.device
+    if dev.type == "cpu":
+        batch = mb  # already where the model is
+    else:
+        batch = {k: v.to(dev, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in mb.items()}
+    shard, index = mb["shard"], mb["index"]
+    job.state.count(shard)
+    autocast = precision_context(dev, job.cfg.precision)
+    job.lr = job.optimizer.param_groups[0]["lr"]
+    tag: dict[str, Any] = {"shard": shard, "index": index, "losses": None}
+    if job.spikes.collects:
+        job.spikes.tags.append(tag)
+    with job.acc.micro_batch(tag=tag) as m:
+        with autocast:
+            out = job.model(batch)
+        loss = check_losses(out, len(index)).float().mean()
+        if out.dim() == 1:
+            tag["losses"] = out.detach()  # per-example; its flags are computed only if the step is refused
+        detached = loss.detach()
+        if job.spikes.detector is not None:  # a spike's record of a model that returns a scalar loss
+            tag["loss"] = detached
+        m.backward(loss)
+        # before the with block ends (and the cycle with it): the accumulator's veto judges the step loss
+        job.step_loss = detached if m.position == 0 else job.step_loss + detached
+        job.step_micros = m.position + 1
+    if m.result is None:
+        return None, job.step_loss
+    return m.result, job.step_loss / job.step_micros  # the step's mean loss: divided once per step
+
+
+def _after_step(job: Job, result: Any, loss: torch.Tensor) -> str | None:
+    job.state.step += 1
+    spike = not result.stepped and job.acc.nonfinite_events[-1].reason == SPIKE
+    if spike and job.cfg.spike.policy == "rollback":
+        outcome = rollback(job, job.acc.nonfinite_events[-1])
+        if outcome is not ROLLED_BACK:  # spike.max_rollbacks: the refused step is the run's last
+            job.metrics.add(job.state.step, loss, job.lr, result.grad_norm, True, True)
+        return outcome
+    job.spikes.end_step(job.state.step, job.acc, result.grad_norm, job.ds.global_step)
+    job.metrics.add(job.state.step, loss, job.lr, result.grad_norm, not result.stepped, spike)
+    if spike:
+        job.spikes.record(
+            job.state.step, job.acc.nonfinite_events[-1], job.spikes.limits, job.ds.global_step, action="skip"
+        )
+    elif result.stepped:
+        job.state.consecutive_skips = 0
+    else:
+        job.state.consecutive_skips += 1
+        runfiles.record_nonfinite(job, job.acc.nonfinite_events[-1])
+        # Every rank refused this step, so every rank joins this collective: the ledger's denominator
+        # (examples seen per shard) is on disk with each event, and survives a kill.
+        runfiles.write_exposure(job)
+    cfg = job.cfg
+    if job.state.step % cfg.run.log_every == 0:
+        job.metrics.flush()
+    # an evaluation due at this step runs before a stop is honoured: a resume starts after this step
+    best = (
+        _validate(job) if job.validation is not None and job.validation.due(job.state.step, _last_step(job)) else False
+    )
+    if job.stop is not None and job.stop.agreed() and not job.ended:
+        return f"interrupted by {job.stop.name} at step {job.state.step}"  # the checkpoint follows (in _run)
+    if (
+        (job.state.step % cfg.checkpoint.every_steps == 0 or best)
+        and job.state.step < _last_step(job)
+        and not job.ended
+    ):
+        _checkpoint(job)
+    if job.ended:
+        return job.ended
+    if job.state.consecutive_skips >= cfg.nonfinite.max_consecutive_skips:
+        return (
+            f"{job.state.consecutive_skips} consecutive non-finite steps (nonfinite.max_consecutive_skips="
+            f"{cfg.nonfinite.max_consecutive_skips}) at step {job.state.step}: see {job.run.nonfinite}"
+        )
+    return None
+
+
+def _last_step(job: Job) -> int:
+    """The step the run ends after: the plan's total, or ``stop_after`` (``repro``) when sooner."""
+    return min(job.plan.total_steps, job.stop_after or job.plan.total_steps)
+
+
+def _validate(job: Job) -> bool:
+    """Evaluate after this step (every rank), write its row (``val_time_s``: the pass's own time); whether a checkpoint
+    must keep it as the best. Its time is set aside: the next step's ``step_s`` and ``items_per_s`` leave it out."""
+    with job.metrics.aside("eval") as spent:
+        result = evaluate(job.model, job.validation.evalset, job.info, precision=job.cfg.precision)
+        row = result.row(job.state.step) | {"val_time_s": round(spent(), 3)}
+        improved, stop = job.validation.record(result, job.state.step)
+        job.metrics.add_eval(row | ({"early_stop": True} if stop else {}))  # the reason, for report
+    if stop is not None and job.info.is_main:
+        log.info("%s", stop)
+    job.ended = stop
+    return improved and job.cfg.checkpoint.keep_best
+
+
+def _checkpoint(job: Job) -> None:
+    """Save this step (every rank its shards; in the background with ``checkpoint.async``); the step's records
+    reach the disk first (a checkpoint is never newer than ``metrics.jsonl``: a kill after it loses no row a
+    resume would not write again)."""
+    # its time is set aside: the next step's step_s leaves it out (and that row's checkpoint_s holds it); every
+    # save is made by _run, after it has started the metrics
+    with job.metrics.aside("checkpoint"):
+        job.metrics.flush()
+        exposure = runfiles.write_exposure(job)
+        elapsed = job.metrics.elapsed()
+        train = functools.partial(job.state.state_dict, elapsed_s=elapsed, exposure=exposure)  # rank 0 calls it
+        keep = {job.validation.best_step} if job.validation and job.cfg.checkpoint.keep_best else set()
+        keep |= keep_for_rollback(job)
+        with contextlib.suppress(CheckpointFailed):  # logged with its step; the previous one stays the latest
+            job.writer.save(job.state.step, job.model, job.optimizer, train, frozenset(keep - {None}))

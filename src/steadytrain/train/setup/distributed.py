@@ -1,0 +1,159 @@
+"""The process group of a run: torchrun's environment in, DDP or FSDP2 out, a clean teardown.
+
+steadytrain never launches processes or writes a collective of its own: ``torchrun`` (or
+``steadytrain train --nproc N``, which hands off to ``torch.distributed.run``) starts the ranks and
+sets ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``; multi-node is torchrun's own rendezvous.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from steadytrain.errors import UserError
+from steadytrain.train.setup.launcher import die_with_launcher
+
+__all__ = ["DistInfo", "agree", "from_main", "init_distributed", "mixed_precision", "teardown", "wrap_model"]
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """Where this process sits in the job."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str | None  # None: a single process, no process group
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise UserError(f"environment variable {name}={raw!r} is not an integer (set by torchrun)") from None
+
+
+def init_distributed(backend: str = "auto") -> DistInfo:
+    """Join the job torchrun started (or run alone); NCCL on GPU and gloo on CPU unless told otherwise. A rank
+    dies with its launcher (:func:`~steadytrain.train.setup.launcher.die_with_launcher`)."""
+    die_with_launcher()
+    world, local = _env_int("WORLD_SIZE", 1), _env_int("LOCAL_RANK", 0)
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", local) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    if world == 1 and not dist.is_initialized():
+        return DistInfo(0, 1, 0, device, None)
+    chosen = ("nccl" if cuda else "gloo") if backend == "auto" else backend
+    if chosen == "nccl" and not cuda:
+        raise UserError("distributed.backend=nccl needs CUDA devices: use gloo (or auto) on CPU")
+    if not dist.is_initialized():
+        dist.init_process_group(chosen)
+    return DistInfo(dist.get_rank(), dist.get_world_size(), local, device, chosen)
+
+
+_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def mixed_precision(precision: str, param_dtype: str | None, reduce_dtype: str) -> Any:
+    """FSDP2's ``MixedPrecisionPolicy`` for a run: bf16 parameters for compute under ``precision: bf16``
+    (or as ``distributed.fsdp_param_dtype`` says), gradients reduced in ``reduce_dtype``; None for
+    full fp32 (FSDP2's default: no casts at all).
+
+    Example:
+        >>> mixed_precision("bf16", None, "fp32").param_dtype
+        torch.bfloat16
+        >>> mixed_precision("fp32", None, "fp32") is None
+        True
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    param = param_dtype or ("bf16" if precision == "bf16" else "fp32")
+    if param == "fp32" and reduce_dtype == "fp32":
+        return None
+    return MixedPrecisionPolicy(param_dtype=_DTYPES[param], reduce_dtype=_DTYPES[reduce_dtype])
+
+
+def wrap_model(model: nn.Module, info: DistInfo, strategy: str, mp_policy: Any = None) -> nn.Module:
+    """DDP, or FSDP2 with every block of each ``nn.ModuleList`` and the root sharded (under ``mp_policy``,
+    a :func:`mixed_precision` policy, when given); alone: as is."""
+    model = model.to(info.device)
+    if info.backend is None:
+        return model
+    if strategy == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        return DDP(model, device_ids=[info.device.index] if info.device.type == "cuda" else None)
+    from torch.distributed.fsdp import fully_shard
+
+    policy = {} if mp_policy is None else {"mp_policy": mp_policy}
+    for module in list(model.modules()):
+        if isinstance(module, nn.ModuleList):
+            for block in module:
+                fully_shard(block, **policy)
+    fully_shard(model, **policy)
+    return model
+
+
+def barrier(info: DistInfo) -> None:
+    if info.backend is not None:
+        dist.barrier()
+
+
+def from_main(info: DistInfo, value: int) -> int:
+    """Rank 0's ``value`` on every rank (one broadcast): a decision only rank 0 can see, such as which
+    checkpoints are complete (it renames them)."""
+    if info.backend is None:
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=info.device)
+    dist.broadcast(t, src=0)
+    return int(t.item())  # host sync: once per call
+
+
+def quiesce(world_size: int, key: str = "steadytrain/teardown", timeout_s: float = 300.0) -> None:
+    """Wait until every rank has returned from its last collective, through the rendezvous store.
+
+    A barrier alone is not enough with gloo: the first rank out of it can close its connections while
+    a peer is still receiving the barrier's last message, and that peer aborts (SIGABRT). Counting the
+    ranks that are out in the store (not a collective) closes that window.
+    """
+    store = dist.distributed_c10d._get_default_store()
+    store.add(key, 1)
+    deadline = time.monotonic() + timeout_s
+    while store.add(key, 0) < world_size and time.monotonic() < deadline:
+        time.sleep(0.005)
+
+
+def teardown(info: DistInfo) -> None:
+    """Leave the process group once no rank uses it any more (a barrier, then :func:`quiesce`)."""
+    if info.backend is not None and dist.is_initialized():
+        try:
+            dist.barrier()
+            quiesce(info.world_size)
+        finally:
+            dist.destroy_process_group()
+
+
+def agree(info: DistInfo, error: str | None, where: str = "at start") -> None:
+    """Raise the same UserError on every rank if any rank has an ``error`` (one all-reduce, on the device)."""
+    if info.backend is not None:
+        flag = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=info.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item() and error is None:  # host sync: once per call
+            error = f"another rank failed {where} (its log says why)"
+    if error is not None:
+        raise UserError(error)

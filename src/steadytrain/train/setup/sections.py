@@ -1,0 +1,140 @@
+"""The small sections of the training config (:mod:`steadytrain.train.setup.config` composes them with the larger ones):
+clipping, distribution, non-finite steps, loss spikes, environment contract, checkpoints, profiling. Every field
+has a one-line docstring (the generated reference reads them) and is validated by pydantic, bool-for-number
+mistakes included."""
+
+from __future__ import annotations
+
+import types
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+
+from steadytrain.schedule import MAX_COUNT
+
+__all__ = [
+    "CheckpointConfig",
+    "ClipConfig",
+    "DistributedConfig",
+    "EnvConfig",
+    "NonFiniteConfig",
+    "ProfileConfig",
+    "Section",
+    "SpikeConfig",
+]
+
+
+def _numeric(annotation: Any) -> bool:
+    """Whether a field takes a number and not a flag (``int``, ``float``, optional or not)."""
+    if get_origin(annotation) is Annotated:
+        return _numeric(get_args(annotation)[0])
+    if get_origin(annotation) in (Union, types.UnionType):
+        args = get_args(annotation)
+        return bool not in args and any(_numeric(a) for a in args)
+    return annotation in (int, float)
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_flag_for_number(cls, value: Any, info: ValidationInfo) -> Any:
+        """``true``/``false`` where a number goes is a mistake, not 1 or 0 (pydantic would take it)."""
+        field = cls.model_fields.get(info.field_name or "")
+        if isinstance(value, bool) and field is not None and _numeric(field.annotation):
+            raise ValueError(f"{str(value).lower()} is a flag, not a number: give a number")
+        return value
+
+
+class ClipConfig(Section):
+    max_grad_norm: float | None = Field(default=1.0, gt=0, allow_inf_nan=False)
+    """Global L2-norm clipping threshold (over every parameter, on all ranks)."""
+    clip_value: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    """Element-wise clamp to [-clip_value, clip_value] (a different algorithm)."""
+
+
+class DistributedConfig(Section):
+    strategy: Literal["ddp", "fsdp"] = "ddp"
+    """DDP, or FSDP2 (``fully_shard``) under torchrun."""
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """``auto``: NCCL on GPU, gloo on CPU."""
+    fsdp_param_dtype: Literal["bf16", "fp32"] | None = None
+    """FSDP2 mixed precision: the dtype parameters are gathered in for compute (default: bf16 with
+    ``precision: bf16``, else fp32, no policy)."""
+    fsdp_reduce_dtype: Literal["bf16", "fp32"] = "fp32"
+    """FSDP2 mixed precision: the dtype gradients are reduce-scattered in (fp32: exact sums across ranks)."""
+
+
+class NonFiniteConfig(Section):
+    policy: Literal["skip", "raise"] = "skip"
+    """On a non-finite step: skip it on every rank (recorded), or stop."""
+    max_consecutive_skips: int = Field(default=10, ge=1)
+    """Stop (exit non-zero, report written) after this many skipped steps in a row."""
+
+
+class SpikeConfig(Section):
+    policy: Literal["off", "warn", "skip", "rollback"] = "warn"
+    """On a loss spike: nothing (``off``), record it (``warn``), refuse the update on every rank (``skip``), or
+    restore the latest checkpoint before it and continue without its batches (``rollback``)."""
+    metric: Literal["loss", "grad_norm", "both"] = "loss"
+    """What is watched: the global step loss, the global gradient norm, or both (either fires)."""
+    window: int = Field(default=50, ge=2, le=100_000)
+    """Previous optimizer steps the median and MAD are over; nothing is flagged before this many."""
+    threshold: float = Field(default=40.0, ge=0, allow_inf_nan=False)
+    """A spike exceeds the window's median by more than this many median absolute deviations ... (clean runs
+    measured here reach 16: bench/spike_stats.py)"""
+    min_ratio: float = Field(default=2.0, ge=0, allow_inf_nan=False)
+    """... and is at least this many times the median, 1 or more (a flat curve's tiny MAD alone does not make a
+    spike)."""
+    skip_batches: int = Field(default=1, ge=1, le=MAX_COUNT)
+    """``rollback`` only: global batches skipped, those of the steps that ended at the spike (at most
+    ``run.max_steps``)."""
+    max_rollbacks: int = Field(default=3, ge=1, le=MAX_COUNT)
+    """``rollback``: stop the run (exit non-zero, report written) at the spike that would need one more."""
+
+    @field_validator("policy", mode="before")
+    @classmethod
+    def _yaml_off(cls, value: Any) -> Any:
+        """YAML reads an unquoted ``off`` as false: ``spike.policy: off`` means the policy ``off``."""
+        if value is True:
+            raise ValueError(
+                "true (YAML reads on/yes/true as a flag) is not a policy: give off, warn, skip or rollback"
+            )
+        return "off" if value is False else value
+
+    @field_validator("min_ratio")
+    @classmethod
+    def _ratio(cls, value: float) -> float:
+        if value < 1:
+            raise ValueError(
+                f"{value:g} is below 1: a spike is at least min_ratio times the median, which below 1 adds nothing "
+                "to the threshold; give 1 to judge by spike.threshold alone, or more (the default 2)"
+            )
+        return value
+
+
+class EnvConfig(Section):
+    contract: str | None = None
+    """A reproducibility contract checked on every rank at start."""
+    on_violation: Literal["fail", "warn"] = "fail"
+    """What a broken ``contract`` does at start: ``fail`` (exit 2 before any step) or ``warn`` and go on."""
+
+
+class CheckpointConfig(Section):
+    every_steps: int = Field(default=100, ge=1)
+    """Optimizer steps between checkpoints (one is also written at the end)."""
+    keep_last: int = Field(default=2, ge=1)
+    """Checkpoints kept; older ones are removed."""
+    keep_best: bool = False
+    """Also keep the checkpoint of the best validation loss (one is written at that step)."""
+    async_: bool = Field(default=True, alias="async")
+    """Write checkpoints in the background: the loop waits only for the copy of the state to host memory."""
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, use_attribute_docstrings=True)
+
+
+class ProfileConfig(Section):
+    start_step: int = Field(ge=1, le=MAX_COUNT)
+    """The first optimizer step profiled (1-based, as ``metrics.jsonl`` counts)."""
+    steps: int = Field(default=2, ge=1, le=MAX_COUNT)
+    """Optimizer steps profiled from ``start_step``: ``RUN/profile/rank{r}-steps{a}-{b}.pt.trace.json``."""

@@ -1,0 +1,90 @@
+"""A lean step: the device-to-host reads of an optimizer step, counted with a ``TorchFunctionMode``.
+
+Every read of a tensor's value on the host (``.item()``, ``.tolist()``, ``bool()``, ``float()``,
+``int()``, ``.cpu()``, ``.numpy()``) made by the training process between two optimizer steps is
+counted, except reads of the micro-batch's own host columns (the data's ``shard``/``index``, which
+never leave the host). A step that does not log, checkpoint or evaluate reads once: the non-finite
+decision (with the gradient norm and, under a spike policy that decides, the spike flag). Loading
+runs in a worker process (``data.num_workers=1``), outside the mode.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+from steadytrain.train.job import loop
+from steadytrain.train.setup.config import load_config
+from tests.train_utils import TINY, write_text_dataset
+
+READS = {"item", "tolist", "__bool__", "__float__", "__int__", "__index__", "cpu", "numpy"}
+LOG_EVERY, STEPS = 5, 12
+
+
+class HostReads(TorchFunctionMode):
+    """Counts reads of tensor values on the host; ``skip`` holds the ids of host data tensors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[str] = []
+        self.skip: set[int] = set()
+        self.data: list[torch.Tensor] = []  # kept alive: a freed tensor's id could name a computed one
+
+    def host_data(self, mb: dict) -> None:
+        tensors = [v for v in mb.values() if isinstance(v, torch.Tensor)]
+        self.data += tensors
+        self.skip.update(map(id, tensors))
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in READS and args and isinstance(args[0], torch.Tensor) and id(args[0]) not in self.skip:
+            self.reads.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture(scope="module")
+def text_data(tmp_path_factory) -> Path:
+    return write_text_dataset(tmp_path_factory.mktemp("data") / "ds", [64] * 8)
+
+
+def reads_per_step(tmp_path: Path, data: Path, monkeypatch, *extra: str) -> dict[int, int]:
+    overrides = [
+        *TINY, f"data.path={data}", f"run.max_steps={STEPS}", f"run.log_every={LOG_EVERY}",
+        "checkpoint.every_steps=1000", "checkpoint.async=false", "data.num_workers=1",
+        "eval.holdout_fraction=null", *extra,  # no evaluation: no step evaluates (the last would, by default)
+    ]  # fmt: skip
+    cfg = load_config(None, overrides)
+    mode, per_step = HostReads(), {}
+    micro_batch, after_step = loop._micro_batch, loop._after_step
+
+    def counted_micro_batch(job, mb):
+        per_step.setdefault(0, len(mode.reads))  # what the build read is not a step's
+        mode.host_data(mb)
+        return micro_batch(job, mb)
+
+    def counted_after_step(job, result, loss):
+        out = after_step(job, result, loss)
+        per_step[job.state.step] = len(mode.reads)
+        return out
+
+    monkeypatch.setattr(loop, "_micro_batch", counted_micro_batch)
+    monkeypatch.setattr(loop, "_after_step", counted_after_step)
+    with mode:
+        loop.train(cfg, run_dir=tmp_path / "run")
+    counts, before = {}, per_step.pop(0)
+    for step in sorted(per_step):
+        counts[step], before = per_step[step] - before, per_step[step]
+    return counts
+
+
+@pytest.mark.parametrize("spike", ["off", "warn", "skip"])
+def test_one_host_read_per_step_that_does_not_log(tmp_path, text_data, monkeypatch, spike):
+    counts = reads_per_step(tmp_path, text_data, monkeypatch, f"spike.policy={spike}", "spike.window=4")
+    assert sorted(counts) == list(range(1, STEPS + 1))
+    quiet = {s: n for s, n in counts.items() if s % LOG_EVERY}
+    assert quiet and all(n == 1 for n in quiet.values()), sorted(counts.items())
+    logging_steps = {s: n for s, n in counts.items() if s % LOG_EVERY == 0}
+    assert all(n >= 1 for n in logging_steps.values()), counts  # the interval's losses are read there

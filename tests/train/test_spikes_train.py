@@ -1,0 +1,241 @@
+"""Loss spikes end to end: a planted unit change (amounts in cents) in one shard, trained on 2 gloo ranks.
+
+Oracles: the rows the test wrote in cents (the bad examples, exactly), the step whose batch holds the
+bad shard (the global order with shuffle window 1: :func:`spikedemo.bad_shard_at`), a run of the same
+data with those rows NaN (a non-finite step, skipped by the established non-finite path: the
+parameters a step whose update is zero leaves), and a run of the data without the bad shard.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from steadytrain.diagnose import hunt, report
+from steadytrain.diagnose.demo import launch
+from steadytrain.diagnose.ledger import SPIKES
+from steadytrain.diagnose.spikedemo import BATCH, bad_shard_at, make_dataset, train_config
+from steadytrain.runs.replay import run_model
+from steadytrain.train.checkpoint.catalog import latest_checkpoint, load_checkpoint
+from steadytrain.train.job.loop import train
+from steadytrain.train.setup.config import load_config
+from tests.train_utils import TINY, metrics, run_cli, sets, write_text_dataset
+
+pytestmark = pytest.mark.distributed  # several tests launch 2 gloo ranks
+
+STEPS, POSITION, SHARDS = 60, 80, 160
+SPIKE_STEP = POSITION // 2 + 1  # two shards per global batch
+BAD = bad_shard_at(POSITION, SHARDS)
+ROWS = sorted(random.Random(7).sample(range(32), 20))  # the planted rows, in cents
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("spike-data")
+    return {
+        "cents": make_dataset(root / "cents", shards=SHARDS, bad_shard=BAD, bad_rows=ROWS),
+        "clean": make_dataset(root / "clean", shards=SHARDS, bad_shard=BAD, drop_bad=True),
+        "nan": make_dataset(root / "nan", shards=SHARDS, bad_shard=BAD, bad_rows=ROWS, fault="nan"),
+    }
+
+
+def _train(tmp: Path, name: str, data: Path, nproc: int = 2, **spike) -> Path:
+    cfg = train_config(data, steps=STEPS, policy=spike.pop("policy", "warn"))
+    cfg["spike"].update(spike)
+    (tmp / f"{name}.yaml").write_text(yaml.safe_dump(cfg))
+    run = tmp / name
+    proc = launch(tmp / f"{name}.yaml", run, nproc=nproc, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run
+
+
+def _spikes(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / SPIKES).read_text().splitlines()]
+
+
+def test_warn_detects_the_spike_on_both_ranks_and_traces_it_to_the_planted_rows(tmp_path, data):
+    run = _train(tmp_path, "warn", data["cents"])
+    records = _spikes(run)
+    assert sorted((r["step"], r["rank"], r["action"]) for r in records) == [
+        (SPIKE_STEP, 0, "warn"),
+        (SPIKE_STEP, 1, "warn"),
+    ]
+    assert records[0]["value"] == records[1]["value"] > records[0]["threshold"]  # one global loss, one decision
+    assert [r["step"] for r in metrics(run) if r.get("spike")] == [SPIKE_STEP]
+    outlying = sorted(i for r in records for mb in r["tags"] for j, i in enumerate(mb["index"]) if j in mb["nonfinite"])
+    assert outlying == ROWS  # every planted example, and no other, from the per-example losses alone
+    rep = report(run, SPIKES)
+    assert rep.verdict == "shard-selective" and rep.suspect_shards == [BAD], rep.sentence
+    found = hunt(run, BAD, loader=run_model, kind="spike")
+    assert found.examples == ROWS, found.sentence
+    assert {(f["example"], f["field"]) for f in found.fields} == {(i, "amount") for i in ROWS}
+    assert found.provenance_diff == {"pipeline_version": ["3.1", "3.0"]}
+    proc = run_cli("spikes", "report", str(run), "--json")
+    assert proc.returncode == 0 and json.loads(proc.stdout)["suspect_shards"] == [BAD]
+
+
+def test_skip_leaves_the_parameters_of_a_step_whose_update_is_zero(tmp_path, data):
+    skipped = _train(tmp_path, "skip", data["cents"], policy="skip")
+    reference = _train(tmp_path, "nan", data["nan"], policy="off")  # NaN rows: the non-finite skip
+    rows = {r["step"]: r for r in metrics(skipped)}
+    assert rows[SPIKE_STEP]["skipped"] and rows[SPIKE_STEP]["spike"]
+    assert {r["rank"]: r["action"] for r in _spikes(skipped)} == {0: "skip", 1: "skip"}
+    assert [r["step"] for r in metrics(reference) if r["skipped"]] == [SPIKE_STEP]
+    a = load_checkpoint(latest_checkpoint(skipped / "checkpoints"))["model"]
+    b = load_checkpoint(latest_checkpoint(reference / "checkpoints"))["model"]
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_rollback_goes_back_skips_the_recorded_batch_and_ends_like_a_run_without_the_shard(tmp_path, data):
+    run = _train(tmp_path, "rollback", data["cents"], policy="rollback")
+    clean = _train(tmp_path, "clean", data["clean"], nproc=1, policy="off")
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    back = [r for r in lines if "rollback_to" in r]
+    (record,) = [r for r in _spikes(run) if r["rank"] == 0]
+    assert back == [{"step": SPIKE_STEP, "rollback_to": 40, "skipped_batches": [SPIKE_STEP - 1], "rollback": 1}]
+    assert record["action"] == "rollback" and record["batch"] == SPIKE_STEP - 1 and record["rollback_to"] == 40
+    assert (run / "checkpoints" / "step-00000040").is_dir()  # kept by retention (keep_last 2)
+    steps = [r["step"] for r in metrics(run)]
+    assert steps == list(range(1, STEPS + 1))  # the rolled-back rows are gone, each step once
+    exposure = {int(k): v for k, v in json.loads((run / "exposure.json").read_text()).items()}
+    assert BAD not in exposure and sum(exposure.values()) == STEPS * BATCH  # the bad batch never trained on
+    tail = [sum(r["loss"] for r in metrics(x)[-10:]) / 10 for x in (run, clean)]
+    assert abs(tail[0] / tail[1] - 1) < 0.05, tail
+
+
+def test_the_window_survives_a_resume(tmp_path, data):
+    cfg = train_config(data["cents"], steps=STEPS, policy="warn")
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    config = load_config(tmp_path / "c.yaml")
+    train(config, run_dir=tmp_path / "straight")
+    train(config, run_dir=tmp_path / "split", stop_after=30)
+    assert not (tmp_path / "split" / SPIKES).exists()
+    train(config, resume=tmp_path / "split")
+    keys = ("step", "value", "median", "mad", "threshold", "batch")
+    straight, split = (_spikes(tmp_path / name) for name in ("straight", "split"))
+    assert [{k: r[k] for k in keys} for r in split] == [{k: r[k] for k in keys} for r in straight]
+    assert [r["step"] for r in straight] == [SPIKE_STEP]
+
+
+def test_max_rollbacks_stops_the_run_with_its_report(tmp_path):
+    second = bad_shard_at(POSITION + 20, SHARDS)  # in global batch SPIKE_STEP + 9 (0-based)
+    data = make_dataset(tmp_path / "data", shards=SHARDS, bad_shard=[BAD, second])
+    cfg = train_config(data, steps=STEPS, policy="rollback")
+    cfg["spike"].update(max_rollbacks=1)
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    proc = run_cli("train", str(tmp_path / "c.yaml"), "--run-dir", str(tmp_path / "run"))
+    assert proc.returncode == 1 and "spike.max_rollbacks=1" in proc.stderr, proc.stderr[-2000:]
+    records = _spikes(tmp_path / "run")
+    # one batch passed over: global batch b is trained at step b from then on (not b + 1)
+    got = [(r["step"], r["batch"], r["action"]) for r in records]
+    assert got == [(SPIKE_STEP, SPIKE_STEP - 1, "rollback"), (SPIKE_STEP + 9, SPIKE_STEP + 9, "stop")]
+    rows = metrics(tmp_path / "run")
+    assert rows[-1]["step"] == SPIKE_STEP + 9 and rows[-1]["skipped"] and rows[-1]["spike"]
+    summary = (tmp_path / "run" / "summary.md").read_text()
+    assert "loss spikes" in summary and "spike.max_rollbacks=1" in summary.replace("\\", "")
+    # step 50 trained on batch 50 (batch 40 passed over): a replay of step 50 finds the second shard's rows
+    found = hunt(tmp_path / "run", step=SPIKE_STEP + 9, loader=run_model, kind="spike")
+    assert found.bad and {s for s, _ in found.bad} == {second}, found.sentence
+    # the stopped run resumes with more rollbacks allowed, from its last checkpoint, and finishes
+    proc = run_cli("train", "--resume", str(tmp_path / "run"), *sets("spike.max_rollbacks=3"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert [r["step"] for r in metrics(tmp_path / "run")] == list(range(1, STEPS + 1))
+
+
+def _straight(tmp: Path, name: str, data: Path, **spike) -> tuple[Path, object]:
+    cfg = train_config(data, steps=STEPS, policy=spike.pop("policy", "rollback"))
+    cfg["spike"].update(spike)
+    cfg["checkpoint"]["keep_last"] = 20
+    (tmp / f"{name}.yaml").write_text(yaml.safe_dump(cfg))
+    config = load_config(tmp / f"{name}.yaml")
+    return tmp / name, config
+
+
+def test_a_crash_right_after_a_rollback_resumes_on_the_rolled_back_timeline(tmp_path, data, monkeypatch):
+    """The checkpoints newer than the rollback's target belong to the abandoned timeline: a resume after a crash
+    must not pick them (nor lose steps); the result equals a run that did not crash."""
+    from steadytrain.train.job import loop
+
+    straight, config = _straight(tmp_path, "straight", data["cents"], skip_batches=5)
+    train(config, run_dir=straight)
+    run = tmp_path / "crashed"
+    real = loop.rollback
+
+    def crash(job, event):
+        real(job, event)
+        raise RuntimeError("killed right after the rollback")
+
+    monkeypatch.setattr(loop, "rollback", crash)
+    with pytest.raises(RuntimeError, match="killed"):
+        train(config, run_dir=run)
+    left = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert left == [f"step-{s:08d}" for s in (0, 10, 20, 30)]  # 40 was the abandoned timeline's
+    monkeypatch.undo()
+    train(config, resume=run)
+    resumed = [json.loads(x) for x in (run / "resumes.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in resumed] == [30]
+    for r in (straight, run):
+        lines = [json.loads(x) for x in (r / "metrics.jsonl").read_text().splitlines()]
+        assert [x["step"] for x in metrics(r)] == list(range(1, STEPS + 1))
+        assert [x for x in lines if "rollback_to" in x] == [
+            {"step": SPIKE_STEP, "rollback_to": 30, "skipped_batches": [36, 37, 38, 39, 40], "rollback": 1}
+        ]
+        assert [x["action"] for x in _spikes(r)] == ["rollback"]
+    a = load_checkpoint(latest_checkpoint(straight / "checkpoints"))["model"]
+    b = load_checkpoint(latest_checkpoint(run / "checkpoints"))["model"]
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_policies_do_not_change_a_run_without_spikes_and_retention_keeps_old_targets(tmp_path, data):
+    losses = {}
+    for policy in ("off", "warn", "skip", "rollback"):
+        run, config = _straight(tmp_path, policy, data["clean"], policy=policy)
+        train(config, run_dir=run, stop_after=12)
+        losses[policy] = [r["loss"] for r in metrics(run)]
+    assert losses["off"] == losses["warn"] == losses["skip"] == losses["rollback"]  # exactly: no step of its own
+    # skip_batches beyond checkpoint.every_steps x keep_last: the target a spike needs is kept all along
+    cfg = train_config(data["cents"], steps=STEPS, policy="rollback")
+    cfg["spike"]["skip_batches"] = 25
+    (tmp_path / "far.yaml").write_text(yaml.safe_dump(cfg))
+    train(load_config(tmp_path / "far.yaml"), run_dir=tmp_path / "far")
+    (back,) = [
+        json.loads(x) for x in (tmp_path / "far" / "metrics.jsonl").read_text().splitlines() if "rollback_to" in x
+    ]
+    assert back["rollback_to"] == 10 and back["skipped_batches"] == list(range(SPIKE_STEP - 25, SPIKE_STEP))
+
+
+def test_two_spikes_at_one_step_number_count_twice(tmp_path):
+    second = bad_shard_at(POSITION + 2, SHARDS)  # the next global batch: step 41 spikes again after the rollback
+    data = make_dataset(tmp_path / "data", shards=SHARDS, bad_shard=[BAD, second])
+    run, config = _straight(tmp_path, "run", data)
+    train(config, run_dir=run)
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [(x["step"], x["skipped_batches"]) for x in lines if "rollback_to" in x] == [(41, [40]), (41, [41])]
+    rep = report(run, SPIKES)
+    assert rep.verdict == "shard-selective" and sorted(rep.suspect_shards) == sorted([BAD, second]), rep.sentence
+    assert "2 of 2 loss spikes" in rep.sentence
+    proc = run_cli("report", str(run))
+    assert proc.returncode == 0, proc.stderr
+    assert "| loss spikes | 2 (spike.policy=rollback); 2 rollback(s)" in (run / "summary.md").read_text()
+
+
+def test_no_spike_on_clean_runs_with_warmup(tmp_path, data):
+    """The default thresholds on clean 300-step runs with LR warmup: a regression and a small byte-level LM."""
+    cfg = train_config(make_dataset(tmp_path / "reg", shards=640), steps=300, policy="warn")
+    cfg["spike"] = {"policy": "warn"}  # the defaults
+    cfg["batch"]["warmup_steps"] = 30
+    (tmp_path / "reg.yaml").write_text(yaml.safe_dump(cfg))
+    proc = run_cli("train", str(tmp_path / "reg.yaml"), "--run-dir", str(tmp_path / "reg-run"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    text = write_text_dataset(tmp_path / "text", [400] * 16)
+    lm = ["data.path=" + str(text), "run.max_steps=300", "batch.warmup_steps=30", "run.log_every=50", *TINY]
+    proc = run_cli("train", "--run-dir", str(tmp_path / "lm-run"), *sets(*lm), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    for run in ("reg-run", "lm-run"):
+        assert len(metrics(tmp_path / run)) == 300
+        assert not (tmp_path / run / SPIKES).exists() and not any(r.get("spike") for r in metrics(tmp_path / run))
