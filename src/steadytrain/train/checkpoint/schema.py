@@ -1,4 +1,5 @@
-"""The shape of a checkpoint's ``state.json``, checked once, where it is read (as :mod:`steadytrain.rundir.schema` checks run files).
+"""The shape of a checkpoint's ``state.json``, checked once, where it is read (as :mod:`steadytrain.rundir.schema`
+checks run files).
 
 A resume, a spike rollback, ``eval`` and ``export`` all read ``state.json`` through
 :func:`~steadytrain.train.checkpoint.files.read_state`, which calls :func:`check_state` before any value is used:
