@@ -40,7 +40,8 @@ from steadytrain.diagnose import hunt
 from steadytrain.diagnose.demo import make_dataset, train_config
 from steadytrain.diagnose.hunt import MIN_CHUNK, _shard_batch, _sweep
 from steadytrain.runs.replay import run_model
-from steadytrain.train.job import loop, runfiles
+from steadytrain.train.job import files as runfiles
+from steadytrain.train.job import loop
 from steadytrain.train.job.loop import train
 from steadytrain.train.setup.config import TrainConfig, load_config
 from steadytrain.train.setup.models import check_losses
@@ -50,14 +51,14 @@ def _micro_batch_unrecorded(job, mb):
     """``loop._micro_batch`` without the recording: no flags in the tag, no exposure counts."""
     dev = job.info.device
     batch = {k: v.to(dev, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in mb.items()}
-    job.lr = job.optimizer.param_groups[0]["lr"]
+    job.step.lr = job.optimizer.param_groups[0]["lr"]
     with job.acc.micro_batch(tag={"shard": mb["shard"], "index": mb["index"]}) as m:
         out = job.model(batch)
         loss = check_losses(out, len(mb["index"])).float().mean()
         m.backward(loss)
-        job.step_loss = loss.detach() if m.position == 0 else job.step_loss + loss.detach()
-        job.step_micros = m.position + 1
-    return m.result, job.step_loss / job.step_micros
+        job.step.loss = loss.detach() if m.position == 0 else job.step.loss + loss.detach()
+        job.step.micros = m.position + 1
+    return m.result, job.step.loss / job.step.micros
 
 
 def per_step(run_dir: Path, skip: int) -> float:

@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 
 from steadytrain.data import DatasetWriter
+from tests.cli_utils import EXE, in_process, launched
 
-EXE = str(Path(sys.executable).with_name("steadytrain"))
+__all__ = ["EXE", "TINY", "evals", "metrics", "run_cli", "sets", "write_text_dataset"]
 TINY = [
     "model.dim=32",
     "model.layers=1",
@@ -33,8 +32,11 @@ def sets(*items: str) -> list[str]:
 
 
 def run_cli(*args: str, timeout: int = 300, **extra_env: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **extra_env}
-    return subprocess.run([EXE, *args], capture_output=True, text=True, timeout=timeout, env=env)
+    """``steadytrain ARGS``: in this process (:func:`~tests.cli_utils.in_process`), or launched where the process is
+    the point of the command (``--nproc`` hands off to torchrun)."""
+    if "--nproc" in args:
+        return launched(*args, timeout=timeout, **extra_env)
+    return in_process(*args, **extra_env)
 
 
 def metrics(run_dir: Path) -> list[dict]:

@@ -6,11 +6,15 @@ One plain object the loop (:mod:`steadytrain.train.job.loop`) and the run files 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from filelock import FileLock
 
+from steadytrain.accumulate import GradientAccumulator
+from steadytrain.data import ShardedDataset
 from steadytrain.rundir.layout import RunDir
 from steadytrain.train.checkpoint.writer import CheckpointWriter
 from steadytrain.train.job.evaluate import Validation
@@ -20,9 +24,11 @@ from steadytrain.train.job.stop import StopRequest
 from steadytrain.train.observe.metrics import MetricsLog
 from steadytrain.train.setup.config import TrainConfig
 from steadytrain.train.setup.distributed import DistInfo
+from steadytrain.train.setup.holdout import HeldOut
 from steadytrain.train.setup.pieces import RunPlan
+from steadytrain.train.setup.speed import CompiledModel
 
-__all__ = ["Interrupted", "Job", "TrainingStopped"]
+__all__ = ["Interrupted", "Job", "StepScratch", "TrainingStopped"]
 
 
 class TrainingStopped(RuntimeError):
@@ -45,8 +51,24 @@ class Interrupted(TrainingStopped):
 
 
 @dataclass
+class StepScratch:
+    """What the loop carries between micro-batches and steps, apart from the :class:`Job` it runs."""
+
+    lr: float = 0.0
+    """The LR of the step in progress (the first param group's), for its metrics row."""
+    loss: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
+    """The sum of the open cycle's micro-batch losses (a device tensor: no host read)."""
+    micros: int = 0
+    """Micro-batches of the open cycle so far (the step loss is their mean)."""
+    ended: str | None = None
+    """Why a run that succeeded ends before its last planned step (early stopping); None while it goes on."""
+
+
+@dataclass
 class Job:
-    """Everything a running job holds."""
+    """Everything a running job holds, built once and fully by :func:`steadytrain.train.job.loop.train` before its
+    first step. Optional fields are optional by nature (no validation set, no fp16 scaler, no compile, no step
+    limit, no lock on ranks other than 0), never filled in later."""
 
     cfg: TrainConfig
     info: DistInfo
@@ -54,34 +76,32 @@ class Job:
     run: RunDir
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
-    acc: Any
-    ds: Any
-    scaler: Any
-    metrics: MetricsLog | None = None
-    lr: float = 0.0
-    step_loss: Any = None
-    loader: Any = None
+    acc: GradientAccumulator
+    ds: ShardedDataset
+    scaler: torch.amp.GradScaler | None
+    loader: Iterable[dict[str, Any]]
     """``ds``'s micro-batches as the loop reads them (in background workers with ``data.num_workers``)."""
-    stop_after: int | None = None
-    """Stop after this many optimizer steps, the schedule unchanged (``repro`` re-runs a run's first steps)."""
-    lock: Any = None
+    state: TrainState
+    """The step, epoch, counters and the stateful parts a checkpoint saves."""
+    writer: CheckpointWriter
+    spikes: SpikeGuard
+    metrics: MetricsLog
+    stop: StopRequest
+    held_out: HeldOut
+    """What the run holds out of its data for validation."""
+    hyper: list[dict[str, Any]]
+    """Every param group's settings as this config built them: a restore (resume or rollback) puts them back."""
+    validation: Validation | None = None
+    lock: FileLock | None = None
     """Rank 0's hold on the run directory (released when the job ends)."""
     changes: dict[str, list[Any]] = field(default_factory=dict)
     """What a resume changed in the saved config (``{key: [saved, new]}``)."""
-    stop: StopRequest | None = None
-    validation: Validation | None = None
-    state: TrainState | None = None
-    """The step, epoch, counters and the stateful parts a checkpoint saves."""
-    writer: CheckpointWriter | None = None
-    spikes: SpikeGuard | None = None
-    step_micros: int = 0
-    """Micro-batches of the open cycle so far (the step loss is their mean)."""
-    ended: str | None = None
-    """Why a run that succeeded ended before its last planned step (early stopping)."""
-    compiled: Any = None
-    """What ``model.compile`` compiled (a :class:`~steadytrain.train.setup.speed.CompiledModel`), or None."""
-    held_out: Any = None
-    """What the run holds out of its data for validation (a :class:`~steadytrain.train.setup.holdout.HeldOut`)."""
+    compiled: CompiledModel | None = None
+    """What ``model.compile`` compiled, or None."""
+    stop_after: int | None = None
+    """Stop after this many optimizer steps, the schedule unchanged (``repro`` re-runs a run's first steps)."""
+    step: StepScratch = field(default_factory=StepScratch)
+    """The loop's scratch between micro-batches and steps."""
 
     @property
     def compile_s(self) -> float | None:

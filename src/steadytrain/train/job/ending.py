@@ -11,7 +11,6 @@ breaks, so a run that got this far keeps its report. A first signal meanwhile is
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -34,16 +33,15 @@ def end_job(
     (no report, and a failure to part is logged, not raised over the job's own error)."""
     try:
         if job is not None:
-            if job.stop is not None:
-                job.stop.settle()
+            job.stop.settle()
             job.writer.close()  # a save still in flight (the run failed) completes first
             if job.lock is not None:
                 job.lock.release()
-            if job.metrics is not None and info.is_main:
-                with job.stop.holding() if job.stop is not None else contextlib.nullcontext():
+            if info.is_main:
+                with job.stop.holding():
                     end_run(job.metrics.trackers, job.run, ending, report)  # ending None: it crashed (no report)
     finally:
-        try:
+        try:  # every rank leaves the process group together, after rank 0's report (see the module docstring)
             teardown(info)
         except Exception as err:
             if ending is not None:

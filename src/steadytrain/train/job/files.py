@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -19,6 +20,7 @@ from steadytrain.errors import UserError
 from steadytrain.rundir.layout import RunDir, claim_run_dir, lock_run, open_run_dir
 from steadytrain.rundir.schema import check_plan, read_metrics, read_resumes
 from steadytrain.train.observe.throughput import describe, summarize
+from steadytrain.train.setup.config import resolved_config
 from steadytrain.train.setup.distributed import DistInfo, agree, barrier
 
 if TYPE_CHECKING:
@@ -67,12 +69,9 @@ def prepare(
             error = str(err)
             if lock is not None:
                 lock.release()
+    # only rank 0 touched the run directory: every rank stops with its error (or goes on), none waits forever
     agree(info, error)
     return RunDir(path), lock, changes
-
-
-_PATHS = (("data", "path"), ("data", "schema"), ("env", "contract"))
-"""Config keys that name files: stored absolute, so the run resumes and compares from any directory."""
 
 
 def check_run_files(run: RunDir, plan: dict[str, Any]) -> None:
@@ -87,17 +86,6 @@ def check_run_files(run: RunDir, plan: dict[str, Any]) -> None:
     read_ledger(run.path)
     read_ledger(run.path, SPIKES)
     read_exposure(run.path)
-
-
-def resolved_config(cfg: TrainConfig) -> dict[str, Any]:
-    """``cfg`` as plain data with the paths it names made absolute (what ``config.yaml`` holds)."""
-    out = cfg.to_dict()
-    if cfg.eval.enabled and cfg.eval.micro_batch_size is None:  # the validation set stays the same size if
-        out["eval"]["micro_batch_size"] = cfg.batch.micro_batch_size  # a resume changes the training micro batch
-    for section, key in _PATHS:
-        if out[section].get(key):
-            out[section][key] = str(Path(out[section][key]).resolve())
-    return out
 
 
 def _resume_changes(cfg: TrainConfig, plan: RunPlan, run: RunDir) -> dict[str, list[Any]]:
@@ -169,6 +157,7 @@ def check_environment(cfg: TrainConfig, info: DistInfo) -> Any:
             )
         for v in violations if not error else ():
             log.warning("rank %d: contract %s: %s", info.rank, cfg.env.contract, v)
+    # each rank checks its own environment: one that breaks the contract stops all of them with its error
     agree(info, error)
     return manifest
 
@@ -177,6 +166,7 @@ def record_environment(info: DistInfo, run: RunDir, manifest: Any, *, resume: bo
     """Rank 0 writes its manifest; ranks whose image or host differ are reported by rank and field."""
     from steadytrain.env import compare_ranks, gather_manifests
 
+    # a collective (every rank sends its manifest): rank 0 compares every rank's image and host with its own
     manifests = gather_manifests(manifest)
     if not info.is_main or resume:
         return
@@ -209,19 +199,30 @@ def truncate_logs(run: RunDir, step: int, *, rollbacks: int | None) -> None:
         write_text_atomic(path, "".join(json.dumps(r, allow_nan=False) + "\n" for _, r in rows if keep(r)))
 
 
-def record_resume(job: Job, checkpoint: str) -> None:
+@dataclass(frozen=True)
+class ResumeRecord:
+    """What a resume records besides its step: the config and plan now in force, what the run holds out, and what
+    the resume changed in the saved config (``{key: [saved, new]}``)."""
+
+    cfg: TrainConfig
+    plan: RunPlan
+    held_out: HeldOut
+    changes: dict[str, list[Any]]
+
+
+def record_resume(run: RunDir, record: ResumeRecord, *, step: int, world_size: int, checkpoint: str) -> None:
     """Rank 0: ``resumes.jsonl`` gets this resume; ``config.yaml`` and ``plan.json`` the values now in force."""
     from steadytrain.train.job.resume import record_resume as append
 
-    append(job.run, step=job.state.step, world_size=job.info.world_size, checkpoint=checkpoint, changes=job.changes)
-    saved = load_json(job.run.plan, what="batch plan") if job.run.plan.exists() else {}
-    plan = {**job.plan.to_dict(), "data": saved.get("data"), **_held(job.held_out)}
-    if job.changes:
-        job.run.write_config(resolved_config(job.cfg))
-        for key, (old, new) in job.changes.items():
-            log.warning("resume: %s changed from %r to %r (applied from step %d)", key, old, new, job.state.step + 1)
+    append(run, step=step, world_size=world_size, checkpoint=checkpoint, changes=record.changes)
+    saved = load_json(run.plan, what="batch plan") if run.plan.exists() else {}
+    plan = {**record.plan.to_dict(), "data": saved.get("data"), **_held(record.held_out)}
+    if record.changes:
+        run.write_config(resolved_config(record.cfg))
+        for key, (old, new) in record.changes.items():
+            log.warning("resume: %s changed from %r to %r (applied from step %d)", key, old, new, step + 1)
     if saved != plan:
-        job.run.write_json(job.run.plan, plan)
+        run.write_json(run.plan, plan)
 
 
 def decay_listing(optimizer: Any, no_decay: list[str]) -> str:
@@ -331,5 +332,6 @@ def finish(job: Job, stopped: str | None) -> dict[str, Any]:
             summary["elapsed_s"],
             job.run.path,
         )
+    # every rank reports the run done (returns, or raises why it stopped) only once rank 0's summary.md is on disk
     barrier(job.info)
     return summary

@@ -12,37 +12,48 @@ import contextlib
 import functools
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from steadytrain._io import write_text_atomic
-from steadytrain.accumulate import NonFiniteGradientError
+from steadytrain.accumulate import GradientAccumulator, NonFiniteGradientError
 from steadytrain.accumulate.events import SPIKE
+from steadytrain.data import EvalSet, ShardedDataset
 from steadytrain.errors import UserError
-from steadytrain.rundir.layout import record_owner
-from steadytrain.train.checkpoint.catalog import latest_checkpoint, restore, state_file
+from steadytrain.rundir.layout import RunDir, record_owner
+from steadytrain.train.checkpoint.catalog import latest_checkpoint
 from steadytrain.train.checkpoint.writer import CheckpointFailed, CheckpointWriter
 from steadytrain.train.hf.model import hf_run_files
 from steadytrain.train.job import files as runfiles
 from steadytrain.train.job.core import Interrupted, Job, TrainingStopped
 from steadytrain.train.job.ending import end_job
 from steadytrain.train.job.evaluate import Validation, evaluate, precision_context
-from steadytrain.train.job.restore import ROLLED_BACK, fresh_optimizer_state, keep_for_rollback, restore_rng, rollback
-from steadytrain.train.job.resume import apply_hyperparameters, hyperparameters
+from steadytrain.train.job.files import ResumeRecord
+from steadytrain.train.job.restore import (
+    ROLLED_BACK,
+    Restorable,
+    fresh_optimizer_state,
+    keep_for_rollback,
+    restore_checkpoint,
+    rollback,
+)
+from steadytrain.train.job.resume import hyperparameters
 from steadytrain.train.job.spikes import SpikeGuard
 from steadytrain.train.job.state import TrainState
 from steadytrain.train.job.stop import StopRequest
 from steadytrain.train.observe.metrics import MetricsLog, Progress
 from steadytrain.train.observe.profiling import StepProfiler
-from steadytrain.train.observe.throughput import for_run
+from steadytrain.train.observe.throughput import Throughput, for_run
 from steadytrain.train.observe.trackers import start_trackers
 from steadytrain.train.setup.config import TrainConfig
 from steadytrain.train.setup.distributed import DistInfo, init_distributed, wrap_model
-from steadytrain.train.setup.holdout import holdout
+from steadytrain.train.setup.holdout import HeldOut, holdout
 from steadytrain.train.setup.models import build_model, check_losses
 from steadytrain.train.setup.pieces import (
+    RunPlan,
     build_accumulator,
     build_dataset,
     build_evalset,
@@ -53,7 +64,7 @@ from steadytrain.train.setup.pieces import (
     model_context,
     resolve_plan,
 )
-from steadytrain.train.setup.speed import speed_up
+from steadytrain.train.setup.speed import CompiledModel, speed_up
 
 __all__ = ["Interrupted", "TrainingStopped", "train"]
 
@@ -79,9 +90,7 @@ def train(
     job, ending = None, None
     with contextlib.ExitStack() as signals:
         try:
-            job = _build(cfg, info, run_dir, resume)
-            job.stop_after = stop_after
-            job.stop = signals.enter_context(StopRequest(info))  # its handlers until the job has ended (end_job)
+            job = _build(cfg, info, _Where(run_dir, resume, stop_after), signals)
             summary = _run(job)
             ending = (summary.get("stopped"), "FINISHED")
             return summary
@@ -92,7 +101,32 @@ def train(
             end_job(info, job, ending, report)  # the report before the ranks part: see steadytrain.train.job.ending
 
 
-def _build(cfg: TrainConfig, info: DistInfo, run_dir: Path | None, resume: Path | None) -> Job:
+@dataclass(frozen=True)
+class _Where:
+    """Where a job writes and how far it goes: a new run directory, or the run it resumes; a step limit."""
+
+    run_dir: Path | None
+    resume: Path | None
+    stop_after: int | None
+
+
+@dataclass
+class _Pieces:
+    """What :func:`_build` has built before the run directory is claimed (nothing is written yet)."""
+
+    plan: RunPlan
+    held: HeldOut
+    ds: ShardedDataset
+    evalset: EvalSet | None
+    model: torch.nn.Module
+    compiled: CompiledModel | None
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler | None
+    acc: GradientAccumulator
+    hf_files: dict[str, str]
+
+
+def _pieces(cfg: TrainConfig, info: DistInfo) -> _Pieces:
     from steadytrain.env import seed_everything
 
     seed_everything(cfg.run.seed, cfg.run.deterministic)
@@ -110,72 +144,93 @@ def _build(cfg: TrainConfig, info: DistInfo, run_dir: Path | None, resume: Path 
     optimizer = build_optimizer(cfg, model, plan.lr, info.device)
     scaler = torch.amp.GradScaler(info.device.type) if cfg.precision == "fp16" else None
     acc = build_accumulator(cfg, model, optimizer, plan, scaler)
+    return _Pieces(plan, held, ds, evalset, model, compiled, optimizer, scaler, acc, hf_files)
+
+
+def _build(cfg: TrainConfig, info: DistInfo, where: _Where, signals: contextlib.ExitStack) -> Job:
+    """The whole job, before its first step: pieces, run directory, state, writer, a resume restored, metrics."""
+    p = _pieces(cfg, info)
     manifest = runfiles.check_environment(cfg, info)  # before anything is written: a refusal leaves no run dir
-    run, lock, changes = runfiles.prepare(cfg, info, plan, run_dir=run_dir, resume=resume, data=path, held_out=held)
-    for name, text in hf_files.items():
-        write_text_atomic(run.path / name, text)
-    job = Job(cfg, info, plan, run, model, optimizer, acc, ds, scaler, lock=lock, changes=changes)
-    job.compiled, job.held_out = compiled, held
-    if evalset is not None:
-        job.validation = Validation(evalset, cfg.eval.every_steps, cfg.eval.patience)
-    job.loader = build_loader(cfg, ds, info.device)
-    job.spikes = SpikeGuard(cfg.spike, info, run.spikes, warmup_steps=plan.warmup_steps)
-    if job.spikes.decides:  # the flag is read with the gradient norm, in the step's one host read
-        acc.veto = lambda norm: job.spikes.veto(job.state.step + 1, job.step_loss / job.step_micros, norm)
-    job.state = TrainState(acc.scheduler, acc, ds, scaler, job.validation, job.spikes)
-    job.writer = CheckpointWriter(
-        run.checkpoints, info, use_async=cfg.checkpoint.async_, keep_last=cfg.checkpoint.keep_last
+    run, lock, changes = runfiles.prepare(
+        cfg, info, p.plan, run_dir=where.run_dir, resume=where.resume, data=data_path(cfg), held_out=p.held
     )
-    job.writer.guard(optimizer)  # an asynchronous save's copy of the state completes before the next update
     try:
-        runfiles.record_environment(info, run, manifest, resume=resume is not None)
-        if resume is not None:
-            _resume(job)
+        for name, text in p.hf_files.items():
+            write_text_atomic(run.path / name, text)
+        validation = Validation(p.evalset, cfg.eval.every_steps, cfg.eval.patience) if p.evalset else None
+        spikes = SpikeGuard(cfg.spike, info, run.spikes, warmup_steps=p.plan.warmup_steps)
+        state = TrainState(p.acc.scheduler, p.acc, p.ds, p.scaler, validation, spikes)
+        writer = CheckpointWriter(
+            run.checkpoints, info, use_async=cfg.checkpoint.async_, keep_last=cfg.checkpoint.keep_last
+        )
+        writer.guard(p.optimizer)  # an asynchronous save's copy of the state completes before the next update
+        hyper = hyperparameters(p.optimizer)  # the config's settings, before a checkpoint's replace them
+        runfiles.record_environment(info, run, manifest, resume=where.resume is not None)
+        if where.resume is not None:
+            parts = Restorable(p.model, p.optimizer, p.acc.scheduler, state, hyper, info, cfg.run)
+            _resume(parts, run, validation, spikes, ResumeRecord(cfg, p.plan, p.held, changes))
+        meter = for_run(
+            info.device, info.world_size, p.plan.global_batch_size, p.plan.accumulation_steps,
+            precision=cfg.precision, peak=cfg.run.peak_flops, is_main=info.is_main,
+        )  # fmt: skip
+        loader = meter.on_first(build_loader(cfg, p.ds, info.device), p.model, info.is_main)
     except BaseException:
         if lock is not None:
             lock.release()
         raise
+    job = Job(
+        cfg, info, p.plan, run, p.model, p.optimizer, p.acc, p.ds, p.scaler, loader=loader,
+        state=state, writer=writer, spikes=spikes, metrics=_metrics(cfg, info, p.plan, run, state, spikes, meter),
+        stop=signals.enter_context(StopRequest(info)),  # its handlers until the job has ended (end_job)
+        held_out=p.held, hyper=hyper, validation=validation, lock=lock, changes=changes, compiled=p.compiled,
+        stop_after=where.stop_after,
+    )  # fmt: skip
+    if spikes.decides:  # the flag is read with the gradient norm, in the step's one host read
+        p.acc.veto = lambda norm: spikes.veto(job.state.step + 1, job.step.loss / job.step.micros, norm)
     return job
 
 
-def _resume(job: Job) -> None:
-    path = latest_checkpoint(job.run.checkpoints)
+def _metrics(
+    cfg: TrainConfig, info: DistInfo, plan: RunPlan, run: RunDir, state: TrainState, spikes: SpikeGuard,
+    meter: Throughput,
+) -> MetricsLog:  # fmt: skip
+    """The run's metrics, from the step it starts at (its trackers started there)."""
+    return MetricsLog(
+        run,
+        info,
+        items_per_step=plan.global_batch_size,
+        max_grad_norm=cfg.clip.max_grad_norm,
+        total_steps=plan.total_steps,
+        elapsed_before=state.elapsed_before,
+        progress=Progress(plan.total_steps, state.step) if info.is_main else None,
+        spikes=spikes if spikes.collects else None,
+        throughput=meter,
+        trackers=start_trackers(run, cfg, info, step=state.step),
+    )
+
+
+def _resume(
+    parts: Restorable, run: RunDir, validation: Validation | None, spikes: SpikeGuard, record: ResumeRecord
+) -> None:
+    path = latest_checkpoint(run.checkpoints)
     if path is None:
-        raise UserError(f"{job.run.path}: no checkpoint to resume from (checkpoints/ is empty)")
-    configured = hyperparameters(job.optimizer)  # the config's settings, before the checkpoint's replace them
-    saved = restore(path, job.model, job.optimizer, no_dist=job.info.backend is None)  # each rank its shards
-    fresh_optimizer_state(job, saved["step"])
-    job.state.load_state_dict(saved["train"], is_main=job.info.is_main, where=state_file(path))
-    apply_hyperparameters(job.optimizer, job.acc.scheduler, configured)  # a new LR or schedule applies from here
-    restore_rng(job, path, saved)
-    if job.validation is not None and (ended := job.validation.ended(job.state.step)):
-        raise UserError(f"--resume {job.run.path}: {ended}")  # nothing written yet: the run stays as it was
-    if job.info.is_main:
-        record_owner(job.run)  # the first write of a resume: every check before it changed nothing
-        runfiles.truncate_logs(job.run, job.state.step, rollbacks=job.spikes.rollbacks)
-        runfiles.record_resume(job, path.name)
-        log.info("resumed %s at step %d from %s", job.run.path, job.state.step, path.name)
+        raise UserError(f"{run.path}: no checkpoint to resume from (checkpoints/ is empty)")
+    restore_checkpoint(parts, path)  # a new LR or schedule applies from here
+    step = parts.state.step
+    if validation is not None and (ended := validation.ended(step)):
+        raise UserError(f"--resume {run.path}: {ended}")  # nothing written yet: the run stays as it was
+    if parts.info.is_main:
+        record_owner(run)  # the first write of a resume: every check before it changed nothing
+        runfiles.truncate_logs(run, step, rollbacks=spikes.rollbacks)
+        runfiles.record_resume(run, record, step=step, world_size=parts.info.world_size, checkpoint=path.name)
+        log.info("resumed %s at step %d from %s", run.path, step, path.name)
 
 
 def _run(job: Job) -> dict[str, Any]:
-    total = job.plan.total_steps
-    progress = Progress(total, job.state.step) if job.info.is_main else None
-    meter, profiler = _instruments(job)
-    job.metrics = MetricsLog(
-        job.run,
-        job.info,
-        items_per_step=job.plan.global_batch_size,
-        max_grad_norm=job.cfg.clip.max_grad_norm,
-        total_steps=total,
-        elapsed_before=job.state.elapsed_before,
-        progress=progress,
-        spikes=job.spikes if job.spikes.collects else None,
-        throughput=meter,
-        trackers=start_trackers(job.run, job.cfg, job.info, step=job.state.step),
-    )
+    profiler = _profiler(job)
     runfiles.log_start(job)
     held = job.held_out
-    if job.info.is_main and held is not None and held.note:  # what validation holds out (here: a refusal is 1 line)
+    if job.info.is_main and held.note:  # what validation holds out (here: a refusal is 1 line)
         (log.warning if held.empty else log.info)("%s", held.note)
     sp = job.cfg.spike
     if sp.policy != "off" and job.info.is_main and sp.window + job.plan.warmup_steps >= _last_step(job):
@@ -186,28 +241,28 @@ def _run(job: Job) -> dict[str, Any]:
     if job.cfg.spike.policy == "rollback" and latest_checkpoint(job.run.checkpoints) is None:
         _checkpoint(job)  # the state a spike before the first periodic checkpoint rolls back to
         job.writer.wait_staged()  # its copy of the optimizer state is taken before that state is dropped
-        fresh_optimizer_state(job, 0)
+        fresh_optimizer_state(job.optimizer, 0)
     stopped = None
     try:
         stopped = _steps(job, profiler)
     finally:
         profiler.close()
         job.metrics.flush()  # the trackers stay open until the run's report is written (end_run)
-        if progress is not None:
-            progress.close()
+        if job.metrics.progress is not None:
+            job.metrics.progress.close()
     _checkpoint(job)
     try:
         job.writer.wait()  # the run ends when its last checkpoint is complete
     except CheckpointFailed as err:
         stopped = stopped or f"{err}: the run's last state is not saved"
-    if stopped == job.ended:  # early stopping: a run that ends well
+    if stopped == job.step.ended:  # early stopping: a run that ends well
         stopped = None
     if not stopped and job.acc.skipped_steps and job.acc.optimizer_steps == 0:
         stopped = f"no update was applied: every one of the {job.state.step} optimizer steps was non-finite and skipped"
-    summary = runfiles.finish(job, stopped or job.ended)
+    summary = runfiles.finish(job, stopped or job.step.ended)
     if not stopped:
         return summary
-    if job.stop is not None and job.stop.stopped:
+    if job.stop.stopped:
         how = f"checkpoint written at step {job.state.step}; resume with: steadytrain train --resume {job.run.path}"
         err: TrainingStopped = Interrupted(f"{stopped}; {how}", job.stop.exit_code)
     else:
@@ -216,21 +271,13 @@ def _run(job: Job) -> dict[str, Any]:
     raise err
 
 
-def _instruments(job: Job) -> tuple[Any, StepProfiler]:
-    """The run's throughput figures (FLOPs counted on the first micro-batch the loop reads, on a meta copy of the
-    model: see :mod:`~steadytrain.train.observe.throughput`) and its profiler (``run.profile``; a no-op when absent)."""
-    info, cfg = job.info, job.cfg
-    meter = for_run(
-        info.device, info.world_size, job.plan.global_batch_size, job.plan.accumulation_steps,
-        precision=cfg.precision, peak=cfg.run.peak_flops, is_main=info.is_main,
-    )  # fmt: skip
-    job.loader = meter.on_first(job.loader, job.model, info.is_main)
-    prof = cfg.run.profile
-    profiler = StepProfiler(
+def _profiler(job: Job) -> StepProfiler:
+    """The run's profiler (``run.profile``; a no-op when absent)."""
+    prof = job.cfg.run.profile
+    return StepProfiler(
         prof and prof.start_step, prof.steps if prof else 0, done=job.state.step, last_step=_last_step(job),
-        out=job.run.path / "profile", rank=info.rank, device=info.device,
+        out=job.run.path / "profile", rank=job.info.rank, device=job.info.device,
     )  # fmt: skip
-    return meter, profiler
 
 
 def _steps(job: Job, profiler: StepProfiler) -> str | None:
@@ -265,7 +312,7 @@ def _raised(job: Job) -> str:
     """Record the refused step that ``nonfinite.policy=raise`` stops at; the reason to stop."""
     job.state.step += 1
     event = job.acc.nonfinite_events[-1]
-    job.metrics.add(job.state.step, torch.tensor(float("nan")), job.lr, event.grad_norm, True)
+    job.metrics.add(job.state.step, torch.tensor(float("nan")), job.step.lr, event.grad_norm, True)
     runfiles.record_nonfinite(job, event)
     runfiles.write_exposure(job)  # a collective: every rank raised at this step
     return f"non-finite step {job.state.step} (nonfinite.policy=raise): see {job.run.nonfinite}"
@@ -287,7 +334,7 @@ def _micro_batch(job: Job, mb: dict[str, Any]) -> tuple[Any, torch.Tensor]:
     shard, index = mb["shard"], mb["index"]
     job.state.count(shard)
     autocast = precision_context(dev, job.cfg.precision)
-    job.lr = job.optimizer.param_groups[0]["lr"]
+    job.step.lr = job.optimizer.param_groups[0]["lr"]
     tag: dict[str, Any] = {"shard": shard, "index": index, "losses": None}
     if job.spikes.collects:
         job.spikes.tags.append(tag)
@@ -302,11 +349,11 @@ def _micro_batch(job: Job, mb: dict[str, Any]) -> tuple[Any, torch.Tensor]:
             tag["loss"] = detached
         m.backward(loss)
         # before the with block ends (and the cycle with it): the accumulator's veto judges the step loss
-        job.step_loss = detached if m.position == 0 else job.step_loss + detached
-        job.step_micros = m.position + 1
+        job.step.loss = detached if m.position == 0 else job.step.loss + detached
+        job.step.micros = m.position + 1
     if m.result is None:
-        return None, job.step_loss
-    return m.result, job.step_loss / job.step_micros  # the step's mean loss: divided once per step
+        return None, job.step.loss
+    return m.result, job.step.loss / job.step.micros  # the step's mean loss: divided once per step
 
 
 def _after_step(job: Job, result: Any, loss: torch.Tensor) -> str | None:
@@ -315,10 +362,10 @@ def _after_step(job: Job, result: Any, loss: torch.Tensor) -> str | None:
     if spike and job.cfg.spike.policy == "rollback":
         outcome = rollback(job, job.acc.nonfinite_events[-1])
         if outcome is not ROLLED_BACK:  # spike.max_rollbacks: the refused step is the run's last
-            job.metrics.add(job.state.step, loss, job.lr, result.grad_norm, True, True)
+            job.metrics.add(job.state.step, loss, job.step.lr, result.grad_norm, True, True)
         return outcome
     job.spikes.end_step(job.state.step, job.acc, result.grad_norm, job.ds.global_step)
-    job.metrics.add(job.state.step, loss, job.lr, result.grad_norm, not result.stepped, spike)
+    job.metrics.add(job.state.step, loss, job.step.lr, result.grad_norm, not result.stepped, spike)
     if spike:
         job.spikes.record(
             job.state.step, job.acc.nonfinite_events[-1], job.spikes.limits, job.ds.global_step, action="skip"
@@ -338,16 +385,16 @@ def _after_step(job: Job, result: Any, loss: torch.Tensor) -> str | None:
     best = (
         _validate(job) if job.validation is not None and job.validation.due(job.state.step, _last_step(job)) else False
     )
-    if job.stop is not None and job.stop.agreed() and not job.ended:
+    if job.stop.agreed() and not job.step.ended:
         return f"interrupted by {job.stop.name} at step {job.state.step}"  # the checkpoint follows (in _run)
     if (
         (job.state.step % cfg.checkpoint.every_steps == 0 or best)
         and job.state.step < _last_step(job)
-        and not job.ended
+        and not job.step.ended
     ):
         _checkpoint(job)
-    if job.ended:
-        return job.ended
+    if job.step.ended:
+        return job.step.ended
     if job.state.consecutive_skips >= cfg.nonfinite.max_consecutive_skips:
         return (
             f"{job.state.consecutive_skips} consecutive non-finite steps (nonfinite.max_consecutive_skips="
@@ -371,7 +418,7 @@ def _validate(job: Job) -> bool:
         job.metrics.add_eval(row | ({"early_stop": True} if stop else {}))  # the reason, for report
     if stop is not None and job.info.is_main:
         log.info("%s", stop)
-    job.ended = stop
+    job.step.ended = stop
     return improved and job.cfg.checkpoint.keep_best
 
 

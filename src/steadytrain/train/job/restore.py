@@ -1,4 +1,5 @@
-"""Going back to a checkpoint inside a running job: a spike's rollback, and the random streams of a restore.
+"""Going back to a checkpoint inside a running job: the one restore path (:func:`restore_checkpoint`, used by a
+resume and by a spike's rollback), the rollback itself, and the random streams of a restore.
 
 ``rollback`` (``spike.policy: rollback``) is the loop's recovery from a loss spike at step ``S``:
 every rank restores the newest checkpoint ``C <= S - spike.skip_batches`` (kept by retention for this:
@@ -14,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -24,13 +26,25 @@ from steadytrain.train.checkpoint.catalog import is_legacy, list_checkpoints, re
 from steadytrain.train.checkpoint.files import read_rng, set_rng_state
 from steadytrain.train.checkpoint.writer import CheckpointFailed, checkpoint_name
 from steadytrain.train.job import files as runfiles
-from steadytrain.train.setup.distributed import barrier, from_main
+from steadytrain.train.job.resume import apply_hyperparameters
+from steadytrain.train.job.state import TrainState
+from steadytrain.train.setup.distributed import DistInfo, barrier, from_main
 
 if TYPE_CHECKING:
     from steadytrain.accumulate import NonFiniteEvent
     from steadytrain.train.job.core import Job
+    from steadytrain.train.setup.config import RunConfig
 
-__all__ = ["ROLLED_BACK", "fresh_optimizer_state", "keep_for_rollback", "restore_rng", "rollback"]
+__all__ = [
+    "ROLLED_BACK",
+    "Restorable",
+    "fresh_optimizer_state",
+    "keep_for_rollback",
+    "restorable",
+    "restore_checkpoint",
+    "restore_rng",
+    "rollback",
+]
 
 log = logging.getLogger("steadytrain.train")
 
@@ -52,12 +66,47 @@ def keep_for_rollback(job: Job) -> set[int]:
     return keep | {s for s in found if not older or s >= older[-1]}
 
 
-def fresh_optimizer_state(job: Job, step: int) -> None:
+def fresh_optimizer_state(optimizer: torch.optim.Optimizer, step: int) -> None:
     """A state restored from step 0 starts with no optimizer state, as the run did: saving the optimizer before its
     first step makes ``torch.distributed.checkpoint`` create its state with a step of its own (AdamW's step count
     would be one ahead, its bias correction shifted for the whole run)."""
     if step == 0:
-        job.optimizer.state.clear()
+        optimizer.state.clear()
+
+
+@dataclass(frozen=True)
+class Restorable:
+    """The parts of a job a restore writes into (a resume builds them before its :class:`Job` exists)."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    state: TrainState
+    hyper: list[dict[str, Any]]
+    """Every param group's settings as this config built them (see :func:`~.resume.hyperparameters`)."""
+    info: DistInfo
+    run_cfg: RunConfig
+
+
+def restore_checkpoint(parts: Restorable, path: Path) -> dict[str, Any]:
+    """The one way a job goes back to a checkpoint, for a resume and a spike's rollback alike: each rank its shards
+    of the model and optimizer (an optimizer state from step 0 dropped, see :func:`fresh_optimizer_state`), the train
+    state (counters, scheduler, accumulator, data position, validation, spike window), this config's
+    hyper-parameters from the restored step on (:func:`~steadytrain.train.job.resume.apply_hyperparameters`: a
+    resume's new LR is not undone by a later rollback to a checkpoint saved before it), each rank's random streams.
+    Returns what the checkpoint held."""
+    info = parts.info
+    saved = restore(path, parts.model, parts.optimizer, no_dist=info.backend is None)  # each rank its shards
+    fresh_optimizer_state(parts.optimizer, saved["step"])
+    parts.state.load_state_dict(saved["train"], is_main=info.is_main, where=state_file(path))
+    apply_hyperparameters(parts.optimizer, parts.scheduler, parts.hyper)
+    restore_rng(info, parts.state.step, parts.run_cfg, path, saved)
+    return saved
+
+
+def restorable(job: Job) -> Restorable:
+    """The parts of a running ``job`` a restore writes into."""
+    return Restorable(job.model, job.optimizer, job.acc.scheduler, job.state, job.hyper, job.info, job.cfg.run)
 
 
 def rollback(job: Job, event: NonFiniteEvent) -> str:
@@ -87,15 +136,11 @@ def rollback(job: Job, event: NonFiniteEvent) -> str:
     n = guard.rollbacks + 1
     guard.record(step, event, guard.limits, batch, action="rollback", rollback_to=target_step, rollback=n)
     skipped, restored = list(guard.skipped), [*guard.restored, target_step]
-    saved = restore(target, job.model, job.optimizer, no_dist=job.info.backend is None)
-    fresh_optimizer_state(job, target_step)
-    # the window and recent batches of C
-    job.state.load_state_dict(saved["train"], is_main=job.info.is_main, where=state_file(target))
-    restore_rng(job, target, saved)
+    restore_checkpoint(restorable(job), target)  # C's window and recent batches; what happened since: set back below
     restored = [s for s in restored if s <= target_step]
     guard.rollbacks, guard.skipped, guard.restored = n, skipped, restored  # what happened since C is not undone
     guard.pass_over(batches)
-    job.ended = None
+    job.step.ended = None
     if job.info.is_main:
         for s, path in list_checkpoints(job.run.checkpoints):  # states the run has gone back from: never resumed
             if s > target_step:
@@ -115,12 +160,11 @@ def rollback(job: Job, event: NonFiniteEvent) -> str:
     return ROLLED_BACK
 
 
-def restore_rng(job: Job, path: Path, saved: dict[str, Any]) -> None:
+def restore_rng(info: DistInfo, step: int, run_cfg: RunConfig, path: Path, saved: dict[str, Any]) -> None:
     """Each rank's generator states as saved; on another world size (or from a single-file checkpoint of an
     earlier version, which kept rank 0's torch CPU state alone) streams derived from the seed, said once."""
     from steadytrain.env import seed_everything
 
-    info, step = job.info, job.state.step
     if is_legacy(path):
         torch.set_rng_state(saved["rng"])
         if info.world_size > 1 and info.is_main:
@@ -131,7 +175,7 @@ def restore_rng(job: Job, path: Path, saved: dict[str, Any]) -> None:
     if rng is not None:
         set_rng_state(rng, str(path / "rng" / f"rank-{info.rank:05d}.json"))
         return
-    seed_everything((job.cfg.run.seed * 1_000_003 + step * 1_009 + info.rank) % 2**63, job.cfg.run.deterministic)
+    seed_everything((run_cfg.seed * 1_000_003 + step * 1_009 + info.rank) % 2**63, run_cfg.deterministic)
     if info.is_main or same:
         why = (
             f"the checkpoint holds no random state for rank {info.rank}"

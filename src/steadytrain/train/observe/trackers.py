@@ -150,7 +150,7 @@ def start_trackers(run: RunDir, cfg: TrainConfig, info: DistInfo, *, step: int =
 
 def _tracked_config(run: RunDir, cfg: TrainConfig) -> dict[str, Any]:
     """The resolved config as flat keys, and the environment manifest's summary as ``env.*`` (no package list)."""
-    from steadytrain.train.job.files import resolved_config
+    from steadytrain.train.setup.config import resolved_config
 
     out = flatten(resolved_config(cfg))
     try:

@@ -29,7 +29,7 @@ from steadytrain.train.setup.sections import (
     SpikeConfig,
 )
 
-__all__ = ["SpikeConfig", "TrainConfig", "apply_overrides", "error_line", "load_config"]
+__all__ = ["SpikeConfig", "TrainConfig", "apply_overrides", "error_line", "load_config", "resolved_config"]
 
 
 DEFAULT_EVAL = {"holdout_shards": 2, "every_steps": 25, "max_batches": 32}
@@ -39,6 +39,9 @@ DEFAULT_USER_EVAL = {"holdout_fraction": 0.05, "every_steps": 25, "max_batches":
 """A ``data.path`` dataset's validation when the config names no source (``eval.data``, ``eval.holdout_shards``,
 ``eval.holdout_fraction``; one set to null: none): 5% of it held out, evaluated as the embedded default run is."""
 _EVAL_SOURCES = ("data", "holdout_shards", "holdout_fraction")
+TINY_LM_KEYS = ("dim", "layers", "heads", "seq_len", "vocab_size")
+"""tiny-lm's keyword arguments (those of ``steadytrain.train.setup.models.TinyLM``): a misspelt one is refused with
+the config, before torch is imported."""
 
 
 class ModelConfig(BaseModel):
@@ -66,6 +69,15 @@ class ModelConfig(BaseModel):
         if isinstance(value, bool):
             raise ValueError(f"{str(value).lower()} is a flag, not a number: give a number")
         return value
+
+    @model_validator(mode="after")
+    def _tiny_lm_keys(self) -> ModelConfig:
+        unknown = sorted(set(self.model_extra or {}) - set(TINY_LM_KEYS)) if self.name == "tiny-lm" else []
+        if unknown:
+            raise ValueError(
+                f"tiny-lm has no key {unknown[0]!r}: give {', '.join(TINY_LM_KEYS)} (or check its spelling)"
+            )
+        return self
 
     def kwargs(self) -> dict[str, Any]:
         """The factory's keyword arguments: every key but ``name`` and the speed settings."""
@@ -348,3 +360,18 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Tr
         return TrainConfig.model_validate(data)
     except ValidationError as err:
         raise UserError(error_line(err, source)) from None
+
+
+_PATHS = (("data", "path"), ("data", "schema"), ("env", "contract"))
+"""Config keys that name files: stored absolute, so the run resumes and compares from any directory."""
+
+
+def resolved_config(cfg: TrainConfig) -> dict[str, Any]:
+    """``cfg`` as plain data with the paths it names made absolute (what ``config.yaml`` holds)."""
+    out = cfg.to_dict()
+    if cfg.eval.enabled and cfg.eval.micro_batch_size is None:  # the validation set stays the same size if
+        out["eval"]["micro_batch_size"] = cfg.batch.micro_batch_size  # a resume changes the training micro batch
+    for section, key in _PATHS:
+        if out[section].get(key):
+            out[section][key] = str(Path(out[section][key]).resolve())
+    return out
