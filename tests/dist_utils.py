@@ -2,11 +2,20 @@
 
 Workers are module-level functions ``fn(rank, world_size, out_dir, *args)``; each rank writes what
 it measured with :func:`save` and the test reads it back with :func:`load_all`.
+
+:func:`cli_on_ranks` runs several ``steadytrain`` commands on the same spawned ranks, one after another, each rank
+calling ``main(argv)`` with the environment torchrun gives a rank (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``...):
+what ``steadytrain train --nproc 2`` runs in each rank, with one start-up (imports) per rank for all the commands
+instead of a torchrun launch per command.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import socket
+import subprocess
+import time
 from pathlib import Path
 
 import torch
@@ -32,6 +41,59 @@ def _entry(rank: int, fn, world_size: int, tmp: str, args: tuple) -> None:
 def spawn(fn, world_size: int, tmp_path: Path, *args) -> None:
     """Run ``fn`` on ``world_size`` gloo ranks; an exception on any rank fails the test."""
     mp.spawn(_entry, args=(fn, world_size, str(tmp_path), args), nprocs=world_size, join=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _cli_entry(rank: int, world_size: int, tmp: str, commands: list[list[str]], ports: list[int], env: dict) -> None:
+    from tests.cli_utils import in_process
+
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    for i, (argv, port) in enumerate(zip(commands, ports, strict=True)):
+        if callable(argv):  # a step between two commands (e.g. a checkpoint removed): rank 0 takes it, all wait
+            marker = Path(tmp) / f"cli-{i}.done"
+            if rank == 0:
+                argv()
+                marker.touch()
+            while not marker.exists():
+                time.sleep(0.01)
+            continue
+        rank_env = {
+            "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0", "WORLD_SIZE": str(world_size),
+            "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+            "TORCHELASTIC_RUN_ID": f"cli-{i}", **env,
+        }  # fmt: skip
+        done = in_process(*argv, **rank_env)
+        out = {"returncode": done.returncode, "stdout": done.stdout, "stderr": done.stderr}
+        (Path(tmp) / f"cli-{i}-rank{rank}.json").write_text(json.dumps(out))
+
+
+def cli_on_ranks(
+    tmp_path: Path, commands: list[list[str]], world_size: int = 2, **env: str
+) -> list[list[subprocess.CompletedProcess]]:
+    """Run each of ``commands`` (``steadytrain`` argv lists) on the same ``world_size`` spawned ranks, in order;
+    ``result[i][rank]`` is command ``i``'s exit code, stdout and stderr on that rank (None for a step). ``env`` is
+    set for every command (as ``torchrun`` passes its environment on). A command may be a picklable callable
+    (``functools.partial`` of a module-level function): a step between commands that rank 0 takes while the others
+    wait, such as removing a run's last checkpoint before a resume."""
+    out = tmp_path / "cli-ranks"
+    out.mkdir(parents=True, exist_ok=True)
+    commands = [argv if callable(argv) else [str(a) for a in argv] for argv in commands]
+    ports = [_free_port() for _ in commands]
+    mp.spawn(_cli_entry, args=(world_size, str(out), commands, ports, env), nprocs=world_size, join=True)
+    results = []
+    for i, argv in enumerate(commands):
+        if callable(argv):
+            results.append(None)
+            continue
+        ranks = [json.loads((out / f"cli-{i}-rank{r}.json").read_text()) for r in range(world_size)]
+        results.append([subprocess.CompletedProcess(argv, r["returncode"], r["stdout"], r["stderr"]) for r in ranks])
+    return results
 
 
 def save(out_dir: Path, rank: int, obj) -> None:
