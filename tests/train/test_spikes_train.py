@@ -239,3 +239,23 @@ def test_no_spike_on_clean_runs_with_warmup(tmp_path, data):
     for run in ("reg-run", "lm-run"):
         assert len(metrics(tmp_path / run)) == 300
         assert not (tmp_path / run / SPIKES).exists() and not any(r.get("spike") for r in metrics(tmp_path / run))
+
+
+def test_a_rollback_past_a_resume_keeps_the_resumed_configs_learning_rate(tmp_path, data):
+    """A resume at step 40 halves the LR; the spike at step 41 rolls back to the checkpoint the first run saved at
+    step 40 (with the old LR in its optimizer and scheduler state): every step after it trains at the new LR, as a
+    run started with the new LR does at those steps."""
+    old, new = (train_config(data["cents"], steps=STEPS, policy="rollback") for _ in range(2))
+    new["batch"]["base_lr"] = old["batch"]["base_lr"] / 2
+    for name, cfg in (("old", old), ("new", new)):
+        (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(cfg))
+    train(load_config(tmp_path / "old.yaml"), run_dir=tmp_path / "run", stop_after=SPIKE_STEP - 1)
+    train(load_config(tmp_path / "new.yaml"), resume=tmp_path / "run")
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["rollback_to"] for r in lines if "rollback_to" in r] == [SPIKE_STEP - 1]  # to the first run's state
+    reference = tmp_path / "reference"
+    train(load_config(tmp_path / "new.yaml", [f"data.path={data['clean']}", "spike.policy=off"]), run_dir=reference)
+    expected = {r["step"]: r["lr"] for r in metrics(reference)}
+    after = [(r["step"], r["lr"]) for r in metrics(tmp_path / "run") if r["step"] >= SPIKE_STEP]
+    assert len(after) == STEPS - SPIKE_STEP + 1
+    assert after == [(s, expected[s]) for s, _ in after]
