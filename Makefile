@@ -20,8 +20,10 @@ run: $(STAMP)
 	$(BIN)/steadytrain train --run-dir runs/default-$$(date +%Y%m%d-%H%M%S)
 	@echo "the steadytrain command is in $(BIN): run \`. $(BIN)/activate\` or call $(BIN)/steadytrain"
 
+# Two pytest-xdist workers (the CI machine has 2 cores); tests that start ranks of their own share one worker
+# (tests/conftest.py groups them), so two 2-rank jobs never share the cores.
 test: $(STAMP)
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n 2 --dist loadgroup
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -1,4 +1,4 @@
-"""Fixtures every test module may use.
+"""Fixtures every test module may use, and how ``make test`` spreads the suite over the machine's cores.
 
 ``cli``: runs ``steadytrain.cli.main(argv)`` in the test process (no 3.5 s of imports per launch) and
 returns the exit code, stdout and stderr (:func:`tests.cli_utils.in_process`, which puts back what a command
@@ -11,6 +11,18 @@ from __future__ import annotations
 import pytest
 
 from tests.cli_utils import in_process
+
+RANKS = "ranks"
+"""The pytest-xdist group of every test marked ``distributed`` (it starts ranks of its own)."""
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (``make test`` runs ``-n 2 --dist loadgroup``) the tests that start ranks of their own
+    share one worker, one at a time, so two 2-rank jobs never share the two cores; every other module's tests stay
+    together on one worker (a module fixture is built once)."""
+    for item in items:
+        group = RANKS if item.get_closest_marker("distributed") else item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.fixture
