@@ -123,11 +123,11 @@ def _reduce_(values: Tensor, norm_type: float, groups: Iterable[dist.ProcessGrou
     if not groups:
         return values
     if math.isinf(norm_type):
-        for g in groups:
+        for g in groups:  # the threshold applies to the whole gradient's norm, not this rank's shard of it
             dist.all_reduce(values, op=dist.ReduceOp.MAX, group=g)
         return values
     values.pow_(norm_type)
-    for g in groups:
+    for g in groups:  # the whole gradient's norm: each shard's p-th powers summed over the ranks holding them
         dist.all_reduce(values, op=dist.ReduceOp.SUM, group=g)
     return values.pow_(1.0 / norm_type)
 

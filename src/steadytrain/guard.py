@@ -46,6 +46,7 @@ class SpikeLimits:
 
     def read(self, i: int = 0) -> dict[str, list[float]]:
         """Step ``i``'s values on the host, ``{value, median, mad, limit}`` each ``[loss, grad_norm]`` (one read)."""
+        # host read, for a spike's record (the log and spikes.jsonl take numbers)
         values = torch.stack([self.value[:, i], self.median[:, i], self.mad[:, i], self.limit[:, i]]).tolist()
         return dict(zip(("value", "median", "mad", "limit"), values, strict=True))
 
@@ -174,7 +175,7 @@ class SpikeDetector:
         """The window as plain data (one host read: at a checkpoint), oldest first."""
         count = int(self.count)  # host read: checkpoint time only
         n = min(count, self.window)
-        rows = self.hist[:, self.window - n :].tolist() if n else [[], []]
+        rows = self.hist[:, self.window - n :].tolist() if n else [[], []]  # the window is saved as JSON numbers
         return {"window": self.window, "count": count, "loss": rows[0], "grad_norm": rows[1]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -30,6 +30,7 @@ from steadytrain.diagnose import read_ledger, report
 from steadytrain.diagnose.demo import LATER, NEW_VALUE, PROVENANCE, make_dataset, train_config
 from steadytrain.runs.replay import run_model
 from steadytrain.train.checkpoint.catalog import load_checkpoint
+from tests.dist_utils import cli_on_ranks
 
 EXE = str(Path(sys.executable).with_name("steadytrain"))
 SHARDS = 40
@@ -245,16 +246,13 @@ def test_the_ledger_survives_a_kill(scenario, tmp_path):
 # --- two ranks --------------------------------------------------------------------------------------
 
 
-def torchrun(config: Path, run_dir: Path) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "steadytrain", "train", str(config), "--run-dir", str(run_dir)]  # fmt: skip
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env())
-
-
-@pytest.mark.distributed
-def test_two_ranks_only_one_reads_the_bad_examples_attributes_them_to_it(tmp_path):
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> tuple[Path, list[int], list[subprocess.CompletedProcess]]:
+    """An epoch on 2 ranks whose bad rows all land on rank ``RANK`` (one spawn of ranks, each running ``main(argv)``
+    as under torchrun): the run directory, the bad rows, each rank's exit."""
+    tmp = tmp_path_factory.mktemp("two-ranks")
     # The global order depends on shard sizes and the seed alone: find where the bad shard's rows land.
-    probe = make_dataset(tmp_path / "probe", shards=16, bad_shard=None, seed=5)
+    probe = make_dataset(tmp / "probe", shards=16, bad_shard=None, seed=5)
     rank = RANK
     b, k, g = 16, 2, 64  # micro batch, accumulation, global batch on 2 ranks
     mine = []
@@ -264,16 +262,24 @@ def test_two_ranks_only_one_reads_the_bad_examples_attributes_them_to_it(tmp_pat
             if s == BAD % 16 and pos // (b * k) == rank:
                 mine.append(i)
     chosen = sorted(mine[:10])
-    data = make_dataset(tmp_path / "data", shards=16, bad_shard=BAD % 16, bad_rows=chosen, seed=5)  # same sizes
+    data = make_dataset(tmp / "data", shards=16, bad_shard=BAD % 16, bad_rows=chosen, seed=5)  # same sizes
     cfg = train_config(data, epochs=1)
     cfg["batch"].update(micro_batch_size=b, global_batch_size=g)
-    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
-    proc = torchrun(tmp_path / "c.yaml", tmp_path / "run")
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    rep = report(tmp_path / "run")
-    steps = sorted({s for s, _ in read_ledger(tmp_path / "run")})
+    (tmp / "c.yaml").write_text(yaml.safe_dump(cfg))
+    (procs,) = cli_on_ranks(tmp, [["train", tmp / "c.yaml", "--run-dir", tmp / "run"]])
+    return tmp / "run", chosen, procs
+
+
+@pytest.mark.distributed
+def test_two_ranks_only_one_reads_the_bad_examples_attributes_them_to_it(two_ranks):
+    run, chosen, procs = two_ranks
+    rank = RANK
+    for proc in procs:
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rep = report(run)
+    steps = sorted({s for s, _ in read_ledger(run)})
     assert rep.ranks == {rank: len(steps), 1 - rank: 0} and rep.suspect_shards == [BAD % 16], (WHO, rep.sentence)
-    for _, e in read_ledger(tmp_path / "run"):
+    for _, e in read_ledger(run):
         flagged = {(t["shard"][j], t["index"][j]) for t in e.tags for j in (t["nonfinite"] or [])}
         assert flagged <= {(BAD % 16, i) for i in chosen} and (bool(flagged) == (e.rank == rank))
 

@@ -83,11 +83,11 @@ def test_the_rebuilt_initial_weights_are_the_ones_the_training_process_built(imp
     assert_same_weights(initial_model(run).state_dict(), recorded)
     # Step 1 started from them: with no checkpoint at or before step 0, run_model gives them, exactly (no note).
     model, settings = run_model(run, before_step=0)
-    assert (settings["checkpoint"], settings["checkpoint_step"], settings["note"]) == (None, 0, None)
+    assert (settings.checkpoint, settings.checkpoint_step, settings.note) == (None, 0, None)
     assert_same_weights(model.state_dict(), recorded)
     # The checkpoint of step 1 holds the weights after it: a real step changed them (the comparison can fail).
     model, settings = run_model(run, before_step=1)
-    assert settings["checkpoint_step"] == 1 and settings["note"] is None
+    assert settings.checkpoint_step == 1 and settings.note is None
     assert any(not torch.equal(v, recorded[k]) for k, v in model.state_dict().items())
 
 

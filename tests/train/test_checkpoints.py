@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +31,7 @@ from steadytrain.train.checkpoint.catalog import latest_checkpoint, list_checkpo
 from steadytrain.train.checkpoint.files import full_tensors, join_state, read_state
 from steadytrain.train.setup.models import TinyLM
 from tests.cli_utils import assert_user_error
+from tests.dist_utils import cli_on_ranks
 from tests.train_utils import TINY, evals, metrics, run_cli, sets, write_text_dataset
 
 BATCH = [x for x in TINY if not x.startswith("model.")]
@@ -81,17 +83,67 @@ def _drop_last(run: Path, step: int = 8) -> None:
     shutil.rmtree(run / "checkpoints" / f"step-{step:08d}")
 
 
+def _keep_and_drop_last(run: Path, copy: Path) -> None:
+    """A step between two commands on the ranks: ``run`` kept as it stands in ``copy``, then :func:`_drop_last`."""
+    shutil.copytree(run, copy)
+    _drop_last(run)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory, data) -> dict[str, tuple[Path, list]]:
+    """Every 2-rank command sequence of this module, in one spawn of 2 ranks (each rank runs ``main(argv)`` as
+    under ``steadytrain train --nproc 2``): per test, the directory holding its runs and each command's exit on
+    each rank (None for a step taken between commands)."""
+    root = tmp_path_factory.mktemp("ranks")
+    (root / "pkg").mkdir()
+    (root / "pkg" / "dropmodel.py").write_text(_DROPOUT)
+    fsdp, ddp, drop, export = (root / name for name in ("fsdp", "ddp", "dropout", "export"))
+    sharded = [*TINY, f"data.path={data}", *STEPS, "distributed.strategy=fsdp"]
+    dropping = [*BATCH, f"data.path={data}", *STEPS, "model.name=dropmodel:factory"]
+    exported = [*TINY, f"data.path={data}", "run.max_steps=4", "eval.holdout_shards=2", "distributed.strategy=fsdp"]
+    sequences = {
+        fsdp: [
+            ["train", "--run-dir", fsdp / "run", *sets(*sharded)],
+            partial(_keep_and_drop_last, fsdp / "run", fsdp / "straight"),
+            ["train", "--resume", fsdp / "run"],
+        ],
+        ddp: [
+            ["train", "--run-dir", ddp / "run", *sets(*TINY, f"data.path={data}", *STEPS)],
+            partial(_keep_and_drop_last, ddp / "run", ddp / "straight"),
+            ["train", "--resume", ddp / "run", *sets("distributed.strategy=fsdp")],
+            partial(_keep_and_drop_last, ddp / "run", ddp / "fsdp"),
+            ["train", "--resume", ddp / "run", *sets("distributed.strategy=ddp")],
+        ],
+        drop: [
+            ["train", "--run-dir", drop / "run", *sets(*dropping)],
+            partial(_keep_and_drop_last, drop / "run", drop / "straight"),
+            ["train", "--resume", drop / "run"],
+        ],
+        export: [["train", "--run-dir", export / "run", *sets(*exported)]],
+    }
+    commands = [c for sequence in sequences.values() for c in sequence]
+    results = iter(cli_on_ranks(root, commands, PYTHONPATH=str(root / "pkg")))  # the dropout model's module
+    return {d.name: (d, [next(results) for _ in sequence]) for d, sequence in sequences.items()}
+
+
+def _ranks_ok(results: list) -> None:
+    """Every command of a sequence exited 0 on every rank (what a ``--nproc 2`` launch's 0 says)."""
+    for procs in results:
+        for proc in procs or []:
+            assert proc.returncode == 0, proc.stderr[-3000:]
+
+
 @pytest.mark.distributed
-def test_fsdp_on_two_ranks_resumes_on_two_bit_for_bit_and_on_one_within_1e_5(tmp_path, data):
-    run = tmp_path / "run"
-    train("--nproc", "2", "--run-dir", str(run), *sets(*TINY, f"data.path={data}", *STEPS, "distributed.strategy=fsdp"))
-    straight = _losses(run)
-    step4 = run / "checkpoints" / "step-00000004"
+def test_fsdp_on_two_ranks_resumes_on_two_bit_for_bit_and_on_one_within_1e_5(tmp_path, two_ranks):
+    root, results = two_ranks["fsdp"]
+    _ranks_ok(results)
+    straight = _losses(root / "straight")  # the 2-rank run as it ended, before its last checkpoint was dropped
+    step4 = root / "straight" / "checkpoints" / "step-00000004"
     assert len(list(step4.glob("shard-0000[12]-*.safetensors"))) >= 2  # each rank wrote its own shards
     assert sorted(p.name for p in (step4 / "rng").iterdir()) == ["rank-00000.json", "rank-00001.json"]
-    _drop_last(run)
-    train("--nproc", "2", "--resume", str(run))
-    assert _losses(run) == straight  # the same world size: bit for bit
+    assert _losses(root / "run") == straight  # resumed on the same world size: bit for bit
+    run = tmp_path / "run"
+    shutil.copytree(root / "run", run)  # the module's run stays as the ranks left it
     _drop_last(run)
     proc = train("--resume", str(run))  # one rank, accumulation 4 instead of 2
     assert "derived anew" in proc.stderr  # the saved per-rank streams do not fit one rank: said once
@@ -101,38 +153,30 @@ def test_fsdp_on_two_ranks_resumes_on_two_bit_for_bit_and_on_one_within_1e_5(tmp
 
 
 @pytest.mark.distributed
-def test_ddp_resumes_under_fsdp_and_back(tmp_path, data):
-    run = tmp_path / "run"
-    train("--nproc", "2", "--run-dir", str(run), *sets(*TINY, f"data.path={data}", *STEPS))
-    straight = _losses(run)
+def test_ddp_resumes_under_fsdp_and_back(two_ranks):
+    root, results = two_ranks["ddp"]
+    _ranks_ok(results)
+    straight = _losses(root / "straight")
+    step4 = root / "straight" / "checkpoints" / "step-00000004"
     keys: list[str] = []
-    for f in (run / "checkpoints" / "step-00000004").glob("*.safetensors"):
+    for f in step4.glob("*.safetensors"):
         with safe_open(str(f), framework="pt") as opened:
             keys += list(opened.keys())
     assert len(keys) == len(set(keys)) > 0  # DDP's replicas: each tensor written once, not once per rank
-    assert {f.name.split("-")[1] for f in (run / "checkpoints" / "step-00000004").glob("*.safetensors")} == {
-        "00001",
-        "00002",
-    }  # and the writing is spread over both ranks
-    for strategy in ("fsdp", "ddp"):
-        _drop_last(run)
-        train("--nproc", "2", "--resume", str(run), *sets(f"distributed.strategy={strategy}"))
-        again = _losses(run)
+    shard_ranks = {f.name.split("-")[1] for f in step4.glob("*.safetensors")}
+    assert shard_ranks == {"00001", "00002"}  # and the writing is spread over both ranks
+    for resumed in (root / "fsdp", root / "run"):  # resumed under fsdp, then (from that run) under ddp
+        again = _losses(resumed)
         np.testing.assert_allclose([v for _, v in again], [v for _, v in straight], rtol=1e-5)
         assert [s for s, _ in again] == list(range(1, 9))
 
 
 @pytest.mark.distributed
-def test_each_ranks_dropout_stream_resumes_exactly_on_two_ranks(tmp_path, data):
-    (tmp_path / "pkg").mkdir()
-    (tmp_path / "pkg" / "dropmodel.py").write_text(_DROPOUT)
-    run, env = tmp_path / "run", {"PYTHONPATH": str(tmp_path / "pkg")}
-    items = [*BATCH, f"data.path={data}", *STEPS, "model.name=dropmodel:factory"]
-    train("--nproc", "2", "--run-dir", str(run), *sets(*items), **env)
-    straight = _losses(run)
-    _drop_last(run)
-    train("--nproc", "2", "--resume", str(run), **env)
-    assert _losses(run) == straight  # rank 1's dropout masks continue its own stream, not rank 0's
+def test_each_ranks_dropout_stream_resumes_exactly_on_two_ranks(two_ranks):
+    root, results = two_ranks["dropout"]
+    _ranks_ok(results)
+    straight = _losses(root / "straight")
+    assert _losses(root / "run") == straight  # rank 1's dropout masks continue its own stream, not rank 0's
 
 
 _WRITER = """
@@ -210,10 +254,10 @@ def test_a_planted_pickle_payload_is_refused_and_never_runs(tmp_path, data):
 
 
 @pytest.mark.distributed
-def test_export_loads_strictly_and_gives_the_live_models_last_validation_loss(tmp_path, data):
-    run, out = tmp_path / "run", tmp_path / "model.safetensors"
-    items = [*TINY, f"data.path={data}", "run.max_steps=4", "eval.holdout_shards=2", "distributed.strategy=fsdp"]
-    train("--nproc", "2", "--run-dir", str(run), *sets(*items))
+def test_export_loads_strictly_and_gives_the_live_models_last_validation_loss(tmp_path, data, two_ranks):
+    root, results = two_ranks["export"]  # trained on 2 ranks with fsdp, 4 steps, 2 held-out shards
+    _ranks_ok(results)
+    run, out = root / "run", tmp_path / "model.safetensors"
     proc = run_cli("export", str(run), "--out", str(out))
     assert proc.returncode == 0, proc.stderr
     model = TinyLM(dim=32, layers=1, heads=2, seq_len=32)

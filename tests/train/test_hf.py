@@ -21,7 +21,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from steadytrain.errors import UserError
 from steadytrain.train.hf.model import HFCausalLM, build_hf
 from tests.cli_utils import assert_user_error
-from tests.train.test_train import assert_same_losses, torchrun, wait
+from tests.dist_utils import cli_on_ranks
+from tests.train.test_train import assert_same_losses
 from tests.train_utils import metrics, run_cli, sets, write_text_dataset
 
 transformers = pytest.importorskip("transformers")  # the hf extra; installed with the dev extra (CI)
@@ -118,13 +119,28 @@ def test_export_refuses_what_it_cannot_write(trained, tmp_path, text_data):
     )
 
 
+STRATEGIES = ("ddp", "fsdp")
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory, text_data) -> dict[str, tuple[Path, list]]:
+    """Per strategy, the 6-step run on 2 ranks and each rank's exit: one spawn of 2 ranks runs both (each rank
+    runs ``main(argv)`` as under torchrun)."""
+    root = tmp_path_factory.mktemp("ranks")
+    runs = {s: root / s for s in STRATEGIES}
+    items = [*HF, f"data.path={text_data}", "run.max_steps=6"]
+    commands = [["train", "--run-dir", run, *sets(*items, f"distributed.strategy={s}")] for s, run in runs.items()]
+    results = cli_on_ranks(root, commands, **OFFLINE)
+    return {s: (runs[s], procs) for s, procs in zip(runs, results, strict=True)}
+
+
 @pytest.mark.distributed
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_two_ranks_equal_one_rank(tmp_path, text_data, one_rank, strategy):
-    run_dir = tmp_path / strategy
-    args = ["--run-dir", str(run_dir)]
-    args += sets(*HF, f"data.path={text_data}", "run.max_steps=6", f"distributed.strategy={strategy}")
-    out = wait(torchrun("--standalone", "--nproc-per-node", "2", args=args))
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_two_ranks_equal_one_rank(tmp_path, two_ranks, one_rank, strategy):
+    run_dir, procs = two_ranks[strategy]
+    for proc in procs:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    out = "".join(proc.stdout + proc.stderr for proc in procs)  # what both ranks said
     assert "micro 4 x accumulation 2 x world 2" in out
     assert_same_losses(run_dir, one_rank, rtol=1e-4)
     assert_exports_agree(run_dir, tmp_path)  # a sharded checkpoint (fsdp) is gathered into one model

@@ -9,10 +9,8 @@ not exist (``CXX``), in a fresh inductor cache.
 from __future__ import annotations
 
 import copy
-import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +21,8 @@ from torch import nn
 from steadytrain.errors import UserError
 from steadytrain.train.setup.models import TinyLM
 from steadytrain.train.setup.speed import apply_activation_checkpointing, compile_model, find_blocks
+from tests.cli_utils import launched
+from tests.dist_utils import cli_on_ranks
 from tests.train_utils import TINY, metrics, run_cli, sets, write_text_dataset
 
 DIMS = {"dim": 32, "layers": 3, "heads": 2, "seq_len": 16}
@@ -217,8 +217,10 @@ def test_compiled_training_gives_the_eager_losses_and_reports_the_compile_time(t
 def test_a_compiler_that_fails_falls_back_or_stops_in_one_line(tmp_path, text_data, eager, fallback):
     # A real failure at the first compiled call: inductor finds no C++ compiler (a fresh cache: nothing reused).
     env = {"CXX": str(tmp_path / "no-such-g++"), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    # Launched: inductor reads CXX when it is first imported, which a test process has long done.
     run_dir = tmp_path / "run"
-    proc = train(run_dir, text_data, "model.compile=true", f"model.compile_fallback={str(fallback).lower()}", **env)
+    items = sets(*SMALL, f"data.path={text_data}", "model.compile=true", f"model.compile_fallback={fallback}".lower())
+    proc = launched("train", "--run-dir", str(run_dir), *items, **env)
     if fallback:
         assert proc.returncode == 0, proc.stderr[-3000:]
         warnings = [line for line in proc.stderr.splitlines() if "could not be compiled" in line]
@@ -233,22 +235,36 @@ def test_a_compiler_that_fails_falls_back_or_stops_in_one_line(tmp_path, text_da
         assert "Traceback" not in proc.stderr
 
 
-def torchrun(run_dir: Path, data: Path, *items: str) -> list[float]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    cmd += ["-m", "steadytrain", "train", "--run-dir", str(run_dir), *sets(*SMALL, f"data.path={data}", *items)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+STRATEGIES = ("ddp", "fsdp")
+COMPILED = ("model.compile=true", "model.activation_checkpointing=full")
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory, text_data) -> dict[tuple[str, str], tuple[Path, list[subprocess.CompletedProcess]]]:
+    """Per (strategy, eager|compiled): the 2-rank run directory and each rank's exit, trained on one spawn of ranks
+    (each rank runs ``main(argv)`` as under torchrun)."""
+    root = tmp_path_factory.mktemp("two-ranks")
+    runs = {(s, kind): root / s / kind for s in STRATEGIES for kind in ("eager", "compiled")}
+    commands = []
+    for (strategy, kind), run_dir in runs.items():
+        items = [*SMALL, f"data.path={text_data}", f"distributed.strategy={strategy}"]
+        items += COMPILED if kind == "compiled" else ()
+        commands.append(["train", "--run-dir", run_dir, *sets(*items)])
+    results = cli_on_ranks(root, commands)
+    return {key: (run_dir, procs) for (key, run_dir), procs in zip(runs.items(), results, strict=True)}
+
+
+def two_rank_losses(run: tuple[Path, list[subprocess.CompletedProcess]]) -> list[float]:
+    run_dir, procs = run
+    for proc in procs:
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     return losses(run_dir)
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_compiled_and_checkpointed_two_ranks_give_the_eager_losses(tmp_path, text_data, strategy):
-    on = f"distributed.strategy={strategy}"
-    eager = torchrun(tmp_path / "eager", text_data, on)
-    compiled = torchrun(
-        tmp_path / "compiled", text_data, on, "model.compile=true", "model.activation_checkpointing=full"
-    )
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_compiled_and_checkpointed_two_ranks_give_the_eager_losses(two_ranks, strategy):
+    eager = two_rank_losses(two_ranks[strategy, "eager"])
+    compiled = two_rank_losses(two_ranks[strategy, "compiled"])
     assert len(eager) == 3
     np.testing.assert_allclose(compiled, eager, rtol=1e-5)

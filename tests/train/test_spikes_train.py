@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import random
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -17,16 +18,16 @@ import torch
 import yaml
 
 from steadytrain.diagnose import hunt, report
-from steadytrain.diagnose.demo import launch
 from steadytrain.diagnose.ledger import SPIKES
 from steadytrain.diagnose.spikedemo import BATCH, bad_shard_at, make_dataset, train_config
 from steadytrain.runs.replay import run_model
 from steadytrain.train.checkpoint.catalog import latest_checkpoint, load_checkpoint
 from steadytrain.train.job.loop import train
 from steadytrain.train.setup.config import load_config
+from tests.dist_utils import cli_on_ranks
 from tests.train_utils import TINY, metrics, run_cli, sets, write_text_dataset
 
-pytestmark = pytest.mark.distributed  # several tests launch 2 gloo ranks
+pytestmark = pytest.mark.distributed  # several tests read runs trained on 2 gloo ranks
 
 STEPS, POSITION, SHARDS = 60, 80, 160
 SPIKE_STEP = POSITION // 2 + 1  # two shards per global batch
@@ -44,13 +45,40 @@ def data(tmp_path_factory):
     }
 
 
-def _train(tmp: Path, name: str, data: Path, nproc: int = 2, **spike) -> Path:
+def _config(tmp: Path, name: str, data: Path, **spike) -> Path:
     cfg = train_config(data, steps=STEPS, policy=spike.pop("policy", "warn"))
     cfg["spike"].update(spike)
     (tmp / f"{name}.yaml").write_text(yaml.safe_dump(cfg))
-    run = tmp / name
-    proc = launch(tmp / f"{name}.yaml", run, nproc=nproc, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    return tmp / f"{name}.yaml"
+
+
+# The runs trained on 2 ranks: name -> (data set, spike.policy).
+TWO_RANKS = {
+    "warn": ("cents", "warn"),
+    "skip": ("cents", "skip"),
+    "nan": ("nan", "off"),
+    "rollback": ("cents", "rollback"),
+}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory, data) -> dict[str, tuple[Path, list[subprocess.CompletedProcess]]]:
+    """Per name in :data:`TWO_RANKS`: the run directory and each rank's exit, all trained on one spawn of 2 ranks
+    (each rank runs ``main(argv)`` as under torchrun)."""
+    root = tmp_path_factory.mktemp("spike-runs")
+    runs = {name: root / name for name in TWO_RANKS}
+    commands = [
+        ["train", _config(root, name, data[d], policy=policy), "--run-dir", runs[name]]
+        for name, (d, policy) in TWO_RANKS.items()
+    ]
+    results = cli_on_ranks(root, commands)
+    return {name: (runs[name], procs) for name, procs in zip(runs, results, strict=True)}
+
+
+def _trained(two_ranks: dict, name: str) -> Path:
+    run, procs = two_ranks[name]
+    for proc in procs:
+        assert proc.returncode == 0, proc.stderr[-3000:]
     return run
 
 
@@ -58,8 +86,8 @@ def _spikes(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / SPIKES).read_text().splitlines()]
 
 
-def test_warn_detects_the_spike_on_both_ranks_and_traces_it_to_the_planted_rows(tmp_path, data):
-    run = _train(tmp_path, "warn", data["cents"])
+def test_warn_detects_the_spike_on_both_ranks_and_traces_it_to_the_planted_rows(two_ranks):
+    run = _trained(two_ranks, "warn")
     records = _spikes(run)
     assert sorted((r["step"], r["rank"], r["action"]) for r in records) == [
         (SPIKE_STEP, 0, "warn"),
@@ -79,9 +107,9 @@ def test_warn_detects_the_spike_on_both_ranks_and_traces_it_to_the_planted_rows(
     assert proc.returncode == 0 and json.loads(proc.stdout)["suspect_shards"] == [BAD]
 
 
-def test_skip_leaves_the_parameters_of_a_step_whose_update_is_zero(tmp_path, data):
-    skipped = _train(tmp_path, "skip", data["cents"], policy="skip")
-    reference = _train(tmp_path, "nan", data["nan"], policy="off")  # NaN rows: the non-finite skip
+def test_skip_leaves_the_parameters_of_a_step_whose_update_is_zero(two_ranks):
+    skipped = _trained(two_ranks, "skip")
+    reference = _trained(two_ranks, "nan")  # NaN rows (spike.policy=off): the non-finite skip
     rows = {r["step"]: r for r in metrics(skipped)}
     assert rows[SPIKE_STEP]["skipped"] and rows[SPIKE_STEP]["spike"]
     assert {r["rank"]: r["action"] for r in _spikes(skipped)} == {0: "skip", 1: "skip"}
@@ -91,9 +119,11 @@ def test_skip_leaves_the_parameters_of_a_step_whose_update_is_zero(tmp_path, dat
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_rollback_goes_back_skips_the_recorded_batch_and_ends_like_a_run_without_the_shard(tmp_path, data):
-    run = _train(tmp_path, "rollback", data["cents"], policy="rollback")
-    clean = _train(tmp_path, "clean", data["clean"], nproc=1, policy="off")
+def test_rollback_goes_back_skips_the_recorded_batch_and_ends_like_a_run_without_the_shard(tmp_path, data, two_ranks):
+    run = _trained(two_ranks, "rollback")
+    clean = tmp_path / "clean"  # one rank, in this process
+    proc = run_cli("train", str(_config(tmp_path, "clean", data["clean"], policy="off")), "--run-dir", str(clean))
+    assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     back = [r for r in lines if "rollback_to" in r]
     (record,) = [r for r in _spikes(run) if r["rank"] == 0]

@@ -9,9 +9,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +18,7 @@ from torch import nn
 
 from steadytrain.train.observe.throughput import Throughput, accelerator, count_flops, peak_flops, summarize
 from steadytrain.train.setup.models import TinyLM
+from tests.dist_utils import cli_on_ranks
 from tests.train_utils import TINY, metrics, run_cli, sets, write_text_dataset
 
 SMALL = [*TINY, "run.log_every=2", "run.max_steps=6"]
@@ -175,15 +174,23 @@ def test_a_profile_after_the_last_step_is_a_warning(tmp_path, text_data):
     assert not (tmp_path / "r" / "profile").exists()
 
 
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory, text_data) -> tuple[Path, list[subprocess.CompletedProcess]]:
+    """A profiled 2-rank run (each rank runs ``main(argv)`` as under torchrun): its directory, each rank's exit."""
+    root = tmp_path_factory.mktemp("two-ranks")
+    run_dir = root / "two"
+    items = sets(*SMALL, f"data.path={text_data}", "run.profile={start_step: 2, steps: 2}")
+    (procs,) = cli_on_ranks(root, [["train", "--run-dir", run_dir, *items]])
+    return run_dir, procs
+
+
 @pytest.mark.distributed
-def test_two_ranks_write_one_trace_each_and_count_the_global_flops(tmp_path, text_data):
-    run_dir = tmp_path / "two"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    cmd += ["-m", "steadytrain", "train", "--run-dir", str(run_dir)]
-    cmd += sets(*SMALL, f"data.path={text_data}", "run.profile={start_step: 2, steps: 2}")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+def test_two_ranks_write_one_trace_each_and_count_the_global_flops(two_ranks):
+    run_dir, procs = two_ranks
+    for proc in procs:
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     traces = sorted((run_dir / "profile").iterdir())
     assert [p.name for p in traces] == ["rank0-steps2-3.pt.trace.json", "rank1-steps2-3.pt.trace.json"]
     assert all(json.loads(p.read_text())["traceEvents"] for p in traces)
-    assert all(r["flops_per_s"] == r["items_per_s"] / 16 * _flops_per_step(2) for r in metrics(run_dir))
+    expected = _flops_per_step(2)
+    assert all(r["flops_per_s"] == r["items_per_s"] / 16 * expected for r in metrics(run_dir))

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from steadytrain.train.checkpoint.catalog import load_checkpoint
+from tests.dist_utils import cli_on_ranks
 from tests.train_utils import TINY, metrics, run_cli, sets, write_text_dataset
 
 SMALL = [*TINY, "run.log_every=2"]
@@ -206,16 +207,28 @@ def one_rank(tmp_path_factory, text_data) -> Path:
     return run_dir
 
 
+STRATEGIES = ("ddp", "fsdp")
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory, text_data) -> dict[str, tuple[Path, list[subprocess.CompletedProcess]]]:
+    """Per strategy: the 2-rank run directory and each rank's exit, all trained on one spawn of 2 ranks (each rank
+    runs ``main(argv)`` as under torchrun; the launcher itself is tested by the two-node and ``--nproc`` tests)."""
+    root = tmp_path_factory.mktemp("two-ranks")
+    runs = {strategy: root / strategy for strategy in STRATEGIES}
+    items = [*SMALL, f"data.path={text_data}", "run.max_steps=6"]
+    commands = [["train", "--run-dir", run, *sets(*items, f"distributed.strategy={s}")] for s, run in runs.items()]
+    results = cli_on_ranks(root, commands)
+    return {s: (runs[s], procs) for s, procs in zip(runs, results, strict=True)}
+
+
 @pytest.mark.distributed
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_two_ranks_equal_one_rank_at_the_same_global_batch(tmp_path, text_data, one_rank, strategy):
-    run_dir = tmp_path / strategy
-    args = [
-        "--run-dir",
-        str(run_dir),
-        *sets(*SMALL, f"data.path={text_data}", "run.max_steps=6", f"distributed.strategy={strategy}"),
-    ]
-    out = wait(torchrun("--standalone", "--nproc-per-node", "2", args=args))
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_two_ranks_equal_one_rank_at_the_same_global_batch(two_ranks, one_rank, strategy):
+    run_dir, procs = two_ranks[strategy]
+    for proc in procs:
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    out = "".join(proc.stdout + proc.stderr for proc in procs)  # what torchrun prints of its ranks
     assert "micro 4 x accumulation 2 x world 2" in out
     assert_same_losses(run_dir, one_rank)
 

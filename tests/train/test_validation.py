@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +22,7 @@ from steadytrain.runs.sweep import verdict
 from steadytrain.train.checkpoint.catalog import load_checkpoint
 from steadytrain.train.setup.models import TinyLM
 from tests.cli_utils import assert_user_error
+from tests.dist_utils import cli_on_ranks
 from tests.train_utils import TINY, evals, metrics, run_cli, sets, write_text_dataset
 
 BATCH = [x for x in TINY if not x.startswith("model.")]
@@ -168,18 +167,32 @@ def test_evaluation_does_not_perturb_training(tmp_path, data, other, models):
     assert all(r["val_items"] == 37 for r in evals(tmp_path / "on"))
 
 
-@pytest.mark.distributed
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_two_ranks_give_the_validation_loss_of_one(tmp_path, data, other, strategy):
+STRATEGIES = ("ddp", "fsdp")
+
+
+@pytest.fixture(scope="module")
+def one_and_two_ranks(tmp_path_factory, data, other) -> tuple[Path, dict[str, tuple[Path, list]]]:
+    """The same evaluated run on one rank (this process) and, per strategy, on 2 ranks: one spawn of ranks runs
+    both (each rank runs ``main(argv)`` as under torchrun). The 1-rank run directory; per strategy, the 2-rank run
+    directory and each rank's exit."""
+    root = tmp_path_factory.mktemp("ranks")
     items = [*TINY, f"data.path={data}", "run.max_steps=4", f"eval.data={other}", "eval.every_steps=2"]
     items += ["eval.micro_batch_size=5"]  # 37 examples: slices of 19 and 18, 4 forwards on each rank
-    train(tmp_path / "one", *items)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "steadytrain"]
-    cmd += ["train", "--run-dir", str(tmp_path / "two"), *sets(*items, f"distributed.strategy={strategy}")]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    one, two = evals(tmp_path / "one"), evals(tmp_path / "two")
+    train(root / "one", *items)
+    runs = {s: root / s / "two" for s in STRATEGIES}
+    commands = [["train", "--run-dir", run, *sets(*items, f"distributed.strategy={s}")] for s, run in runs.items()]
+    results = cli_on_ranks(root, commands)
+    return root / "one", {s: (runs[s], procs) for s, procs in zip(runs, results, strict=True)}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_two_ranks_give_the_validation_loss_of_one(one_and_two_ranks, strategy):
+    one_dir, two_ranks = one_and_two_ranks
+    two_dir, procs = two_ranks[strategy]
+    for proc in procs:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    one, two = evals(one_dir), evals(two_dir)
     assert (
         [(r["step"], r["val_items"]) for r in two] == [(r["step"], r["val_items"]) for r in one] == [(2, 37), (4, 37)]
     )

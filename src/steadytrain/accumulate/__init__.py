@@ -21,14 +21,21 @@ are handed to the optimizer as ``grad_scale`` (the contract ``torch.amp.GradScal
 gradients are read once for the norm and once by the step.
 """
 
-from steadytrain.accumulate.accumulator import GradientAccumulator, MicroBatch
-from steadytrain.accumulate.events import (
-    ON_NONFINITE,
-    NonFiniteEvent,
-    NonFiniteGradientError,
-    StepResult,
-    UsageError,
-)
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from steadytrain._lazy import export_lazily
+
+if TYPE_CHECKING:
+    from steadytrain.accumulate.accumulator import GradientAccumulator, MicroBatch
+    from steadytrain.accumulate.events import (
+        ON_NONFINITE,
+        NonFiniteEvent,
+        NonFiniteGradientError,
+        StepResult,
+        UsageError,
+    )
 
 __all__ = [
     "ON_NONFINITE",
@@ -39,3 +46,17 @@ __all__ = [
     "StepResult",
     "UsageError",
 ]
+
+# each name's submodule, imported on the name's first use: reading a ledger's events does not import torch
+export_lazily(
+    __name__,
+    {
+        "GradientAccumulator": "accumulator",
+        "MicroBatch": "accumulator",
+        "ON_NONFINITE": "events",
+        "NonFiniteEvent": "events",
+        "NonFiniteGradientError": "events",
+        "StepResult": "events",
+        "UsageError": "events",
+    },
+)

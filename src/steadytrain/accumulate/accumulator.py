@@ -292,7 +292,7 @@ class GradientAccumulator:
                     "a partial cycle ran without FSDP gradient sync: iterate with acc.micro_batches(data) so the last "
                     "micro-batch of the data is synchronized"
                 )
-            average_grads_(self._params, self._layout)
+            average_grads_(self._params, self._layout)  # the cycle ran under no_sync: its gradients are still local
         return self._end_cycle()
 
     # -- the end of a cycle ----------------------------------------------------------------------

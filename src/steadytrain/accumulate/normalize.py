@@ -92,13 +92,13 @@ class ItemCounts:
 
     def global_totals(self, device: torch.device, layout: DataParallel) -> Tensor:
         """``[N, invalid]`` summed over every data-parallel rank: one all-reduce per cycle (per mesh dim)."""
-        return all_reduce(self.local(device), layout)
+        return all_reduce(self.local(device), layout)  # every rank divides by the global count: one batch's mean
 
     def to_state(self) -> tuple[float, int]:
         """``(sum, invalid)`` as Python numbers (reads device counts: a host sync, fine at checkpoint time)."""
         if not self.tensors:
             return self.python, self.invalid
-        total, invalid = self.local(self.tensors[0].device).tolist()
+        total, invalid = self.local(self.tensors[0].device).tolist()  # the state is saved as JSON numbers
         return total, int(invalid != 0)  # NaN != 0 too
 
 
@@ -116,6 +116,7 @@ class ItemScale:
             return
         if self._layout.groups or isinstance(num_items, Tensor):
             first = torch.as_tensor(num_items).to(device, _count_dtype(device)).reshape(())
+            # the global count: every rank must take the same s, or the ranks' gradients would be weighted apart
             first = all_reduce(first.clone(), self._layout) if self._layout.groups else first
             # Only an estimate (it cancels in the factor): an invalid count must not leave s at NaN forever.
             first = first.nan_to_num(nan=1.0, posinf=1.0).clamp(min=1.0)

@@ -59,7 +59,7 @@ class Cycle:
         if not self.losses:
             return ()
         flags = torch.stack([~torch.isfinite(loss.to(self.losses[0].device)) for loss in self.losses])
-        return tuple(flags.nonzero().flatten().tolist())
+        return tuple(flags.nonzero().flatten().tolist())  # host read: the ledger records the refused positions
 
     def to_state(self) -> dict[str, Any]:
         """A plain dict (reads device values: call it at checkpoint time, not per step)."""

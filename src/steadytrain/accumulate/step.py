@@ -131,9 +131,9 @@ def read_once(norm: Tensor | None, totals: Tensor | None, veto: Tensor | None = 
     """The one host sync per optimizer step (skip or step must be decided): norm, item counts and the
     caller's veto flag together."""
     if totals is None and veto is None:
-        return Reading(math.nan if norm is None else float(norm))
+        return Reading(math.nan if norm is None else float(norm))  # host read: skip or step is a Python decision
     parts = [t.reshape(-1).double() for t in (norm, totals, veto) if t is not None]
-    values = torch.cat([t.to(parts[0].device) for t in parts]).tolist()
+    values = torch.cat([t.to(parts[0].device) for t in parts]).tolist()  # the one read: skip or step is decided here
     value = values.pop(0) if norm is not None else math.nan
     items, invalid = (values.pop(0), values.pop(0)) if totals is not None else (None, 0.0)
     vetoed = bool(values.pop(0)) if veto is not None else False

@@ -82,7 +82,7 @@ def _fsdp_no_sync(model: Any) -> Iterator[None]:
 def all_reduce(values: Tensor, layout: DataParallel) -> Tensor:
     """Sum ``values`` in place over every data-parallel rank (one collective per mesh dimension)."""
     for group in layout.groups:
-        dist.all_reduce(values, group=group)
+        dist.all_reduce(values, group=group)  # counts and flags that every rank must decide on alike
     return values
 
 
@@ -92,7 +92,7 @@ def average_grads_(params: list[torch.nn.Parameter], layout: DataParallel) -> No
         return
     grads = [p.grad for p in params if p.grad is not None]
     flat = torch._utils._flatten_dense_tensors(grads)
-    dist.all_reduce(flat, group=layout.groups[0])
+    dist.all_reduce(flat, group=layout.groups[0])  # no_sync left each replica its own gradients: DDP's average
     flat.div_(layout.size)
     for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True):
         g.copy_(synced)

@@ -86,9 +86,6 @@ def train(
     from steadytrain.train.setup.launcher import die_with_launcher
 
     die_with_launcher()  # a rank under torchrun: before anything else, so a launcher killed now takes it along
-    from steadytrain.runs.report import report_after_training
-    from steadytrain.train.job.loop import TrainingStopped
-    from steadytrain.train.job.loop import train as run_training
     from steadytrain.train.setup.config import load_config
 
     if resume is not None and config is not None:
@@ -96,12 +93,16 @@ def train(
     from steadytrain.rundir.layout import open_run_dir
 
     source = open_run_dir(Path(resume)).config if resume is not None else config
-    cfg = load_config(source, list(overrides))
+    cfg = load_config(source, list(overrides))  # a config mistake is said before torch and the loop are imported
     if nproc is not None and "RANK" not in os.environ:
         from steadytrain.train.setup.pieces import check_before_launch
 
         check_before_launch(cfg, run_dir=Path(run_dir) if run_dir else None, resume=resume is not None)
         _handoff(nproc, sys.argv[1:])  # every mistake found here is said once, not once per rank
+    from steadytrain.runs.report import report_after_training
+    from steadytrain.train.job.loop import TrainingStopped
+    from steadytrain.train.job.loop import train as run_training
+
     _setup_logging()
     main = os.environ.get("RANK", "0") == "0"
     try:  # rank 0 writes the report (plots, summary.md) when the run ends, before its trackers close
@@ -130,14 +131,15 @@ def config_group() -> None:
 )
 def show(config: str | None, overrides: tuple[str, ...], world_size: int) -> None:
     """Print the resolved config and its batch plan (effective batch, scaled LR, warmup and total steps)."""
+    from steadytrain.train.setup.config import load_config
+
+    cfg = load_config(config, list(overrides))  # a config mistake is said before torch is imported
     import torch
 
-    from steadytrain.train.setup.config import load_config
     from steadytrain.train.setup.distributed import DistInfo
     from steadytrain.train.setup.holdout import holdout
     from steadytrain.train.setup.pieces import build_dataset, check_model_args, data_path, resolve_plan
 
-    cfg = load_config(config, list(overrides))
     check_model_args(cfg, user_code=False)  # inspecting a config never runs a factory it names
     layout = resolve_plan(cfg, world_size, None)
     info = DistInfo(0, world_size, 0, torch.device("cpu"), None)

@@ -10,8 +10,29 @@
   the shard's provenance differs from the majority's.
 """
 
-from steadytrain.diagnose.hunt import HuntReport, hunt
-from steadytrain.diagnose.ledger import read_exposure, read_ledger
-from steadytrain.diagnose.report import NonFiniteReport, ShardStats, report
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from steadytrain._lazy import export_lazily
+
+if TYPE_CHECKING:
+    from steadytrain.diagnose.hunt import HuntReport, hunt
+    from steadytrain.diagnose.ledger import read_exposure, read_ledger
+    from steadytrain.diagnose.report import NonFiniteReport, ShardStats, report
 
 __all__ = ["HuntReport", "NonFiniteReport", "ShardStats", "hunt", "read_exposure", "read_ledger", "report"]
+
+# each name's submodule, imported on the name's first use: a ledger read does not import the replay
+export_lazily(
+    __name__,
+    {
+        "HuntReport": "hunt",
+        "hunt": "hunt",
+        "read_exposure": "ledger",
+        "read_ledger": "ledger",
+        "NonFiniteReport": "report",
+        "ShardStats": "report",
+        "report": "report",
+    },
+)

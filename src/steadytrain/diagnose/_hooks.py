@@ -83,7 +83,7 @@ class Probe:
         """Whether each recorded call's output was non-finite (one host read)."""
         if not self.calls:
             return []
-        return torch.stack([f.any() for _, f in self.calls]).tolist()
+        return torch.stack([f.any() for _, f in self.calls]).tolist()  # host read: first() names the module that failed
 
     def first(self) -> str | None:
         """The qualified name of the first module (in execution order) whose output was non-finite."""

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +41,7 @@ from steadytrain.data import (
 from steadytrain.diagnose._hooks import Probe
 from steadytrain.diagnose.ledger import LEDGER, SPIKES, check_shard_read, dataset_bounds, read_ledger
 from steadytrain.diagnose.outliers import REFERENCE_SHARDS, example_losses, loss_outliers
+from steadytrain.diagnose.settings import ReplaySettings
 from steadytrain.errors import UserError
 
 __all__ = ["HuntReport", "Loader", "hunt"]
@@ -204,12 +205,12 @@ def _sweep(
     return [], None, None
 
 
-def _shard_batch(settings: dict[str, Any], shard: int) -> dict[str, Any]:
+def _shard_batch(settings: ReplaySettings, shard: int) -> dict[str, Any]:
     """The shard's rows as the run loaded them (after its load-time policy), in file order, as one batch."""
-    common = {"shards": [shard], "shuffle": False, "schema": settings["schema"], "policy": settings["policy"]}
-    rows = len(BatchedDataset(settings["data"], batch_size=1, **common))  # rows the policy keeps
-    transform = settings.get("transform")  # the run's data.transform, as training applied it
-    return global_batch(settings["data"], 0, global_batch_size=rows, seed=0, transform=transform, **common)
+    common = {"shards": [shard], "shuffle": False, "schema": settings.schema, "policy": settings.policy}
+    rows = len(BatchedDataset(settings.data, batch_size=1, **common))  # rows the policy keeps
+    transform = settings.transform  # the run's data.transform, as training applied it
+    return global_batch(settings.data, 0, global_batch_size=rows, seed=0, transform=transform, **common)
 
 
 def _json_value(value: Any) -> Any:
@@ -242,25 +243,26 @@ def _first_event_step(run_dir: Path, shard: int | None, ledger: str = LEDGER) ->
     return min(mine or [s for s, _ in events], default=None)
 
 
-Loader = Callable[..., tuple[nn.Module, dict[str, Any]]]
+Loader = Callable[..., tuple[nn.Module, ReplaySettings]]
 """``loader(run_dir, checkpoint=..., before_step=...) -> (model, settings)``: builds a run's model with the
-weights of a checkpoint (or its initial weights) and the settings a replay needs. Building a model is the
-training layer's business: :func:`steadytrain.runs.replay.run_model` is the one the command passes in."""
+weights of a checkpoint (or its initial weights) and the :class:`ReplaySettings` a replay needs. Building a
+model is the training layer's business: the command passes :func:`steadytrain.runs.replay.run_model`."""
 
 
 def _load(
     loader: Loader, run_dir: Path, model: nn.Module | None, checkpoint: Any, before: int | None
-) -> tuple[nn.Module, dict]:
+) -> tuple[nn.Module, ReplaySettings]:
     """The model and the replay settings: the run's model with the weights of the newest state at or before
     step ``before`` (a checkpoint, or the run's initial weights; never a later one), or ``model`` as given."""
     built, settings = loader(run_dir, checkpoint=checkpoint, before_step=before)
     if model is None:
         return built, settings
-    return model, settings | {
-        "checkpoint": None,
-        "checkpoint_step": None,
-        "note": "the model as given (its own weights; no checkpoint used)",
-    }
+    return model, replace(
+        settings,
+        checkpoint=None,
+        checkpoint_step=None,
+        note="the model as given (its own weights; no checkpoint used)",
+    )
 
 
 def hunt(
@@ -319,11 +321,11 @@ def hunt(
     before = before - 1 if step is None and before is not None else before
     net, settings = _load(loader, run_dir, model, checkpoint, before)
     net.eval()  # deterministic replay: no dropout
-    ds = open_dataset(settings["data"])
+    ds = open_dataset(settings.data)
     if shard is not None:
         ds.shard(shard)  # a DatasetError naming the known ids
     batch = _shard_batch(settings, shard) if step is None else _step_batch(settings, step)
-    chunk = chunk or max(settings["micro_batch_size"], MIN_CHUNK)
+    chunk = chunk or max(settings.micro_batch_size, MIN_CHUNK)
     if kind == "spike":
         rows, limit = _spike_rows(net, ds, batch, settings, shard, chunk)
         report = _report(ds, batch, rows, None, "loss" if len(rows) else None, shard, step, settings, net)
@@ -333,15 +335,14 @@ def hunt(
     return _report(ds, batch, rows, first, stage, shard, step, settings, net)
 
 
-def _spike_rows(net, ds, batch, settings, shard, chunk) -> tuple[list[int], float]:
+def _spike_rows(net, ds, batch, settings: ReplaySettings, shard, chunk) -> tuple[list[int], float]:
     """Rows of ``batch`` whose loss is an outlier against the examples of a few healthy shards (not ``shard``)."""
-    train = set(settings.get("shards") or ds.shard_ids)
+    train = set(settings.shards or ds.shard_ids)
     refs = [s for s in healthy_shards(ds) if s != shard and s in train][:REFERENCE_SHARDS]
     if not refs:
         raise UserError(f"no healthy shard besides shard {shard} to compare its examples' losses with")
     reference = np.concatenate([example_losses(net, _shard_batch(settings, s), chunk) for s in refs])
-    rule = settings.get("spike") or {"threshold": 30.0, "min_ratio": 3.0}
-    rows, limit = loss_outliers(example_losses(net, batch, chunk), reference, **rule)
+    rows, limit = loss_outliers(example_losses(net, batch, chunk), reference, **settings.spike_rule)
     return rows.tolist(), limit
 
 
@@ -360,18 +361,18 @@ def batch_of(step: int, skipped: list[int]) -> int:
     return b
 
 
-def _step_batch(settings: dict[str, Any], step: int) -> dict[str, Any]:
+def _step_batch(settings: ReplaySettings, step: int) -> dict[str, Any]:
     return global_batch(
-        settings["data"],
-        batch_of(step, settings.get("skipped_batches") or []),
-        global_batch_size=settings["global_batch_size"],
-        seed=settings["seed"],
-        shuffle_window=settings["shuffle_window"],
-        shards=settings.get("shards"),
-        schema=settings["schema"],
-        policy=settings["policy"],
-        transform=settings.get("transform"),
-        rows=settings.get("rows"),  # records held out for validation: never in a step
+        settings.data,
+        batch_of(step, settings.skipped_batches),
+        global_batch_size=settings.global_batch_size,
+        seed=settings.seed,
+        shuffle_window=settings.shuffle_window,
+        shards=settings.shards,
+        schema=settings.schema,
+        policy=settings.policy,
+        transform=settings.transform,
+        rows=settings.rows,  # records held out for validation: never in a step
     )
 
 
@@ -385,11 +386,11 @@ def _report(ds, batch, rows, first, stage, shard, step, settings, net) -> HuntRe
         shard=shard,
         first_module=first,
         examples=examples,
-        fields=_fields(ds, shard, examples, settings["schema"]) if shard is not None else [],
+        fields=_fields(ds, shard, examples, settings.schema) if shard is not None else [],
         provenance_diff={k: list(v) for k, v in provenance_differences(ds, shard).items()} if shard is not None else {},
-        checkpoint=settings["checkpoint"],
-        checkpoint_step=settings["checkpoint_step"],
-        note=settings["note"],
+        checkpoint=settings.checkpoint,
+        checkpoint_step=settings.checkpoint_step,
+        note=settings.note,
         stage=stage,
         examples_checked=len(index),
         step=step,

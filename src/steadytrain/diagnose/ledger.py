@@ -20,8 +20,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from steadytrain._check import check_int, check_type
 from steadytrain._io import append_jsonl, brief, load_json, read_jsonl
 from steadytrain.accumulate import NonFiniteEvent
@@ -55,6 +53,8 @@ _EVENT_KEYS = ("cycle", "rank", "grad_norm", "micro_steps", "nonfinite_micro_bat
 
 def _flags(tag: Any) -> Any:
     """A micro-batch's non-finite flags: given, or derived from its per-example losses (kept lazily)."""
+    import torch  # the writing side's (a training process has it): reading a ledger does not import it
+
     if not isinstance(tag, dict):
         return None
     losses = tag.get("losses")
@@ -63,6 +63,8 @@ def _flags(tag: Any) -> Any:
 
 def _positions(tags: tuple[Any, ...]) -> list[list[int] | None]:
     """Per micro-batch, the positions of non-finite example losses: one host read for the whole cycle."""
+    import torch
+
     flags = [_flags(t) for t in tags]
     present = [f for f in flags if isinstance(f, torch.Tensor)]
     if not present:
@@ -81,6 +83,8 @@ def _positions(tags: tuple[Any, ...]) -> list[list[int] | None]:
 
 
 def _plain(values: Any) -> list[int]:
+    import torch
+
     return values.tolist() if isinstance(values, torch.Tensor) else list(values)
 
 
@@ -148,6 +152,8 @@ def outliers(
 def append_spike(path: str | Path, event: NonFiniteEvent, step: int, judged: dict[str, Any]) -> dict[str, Any]:
     """Append a spike's line (``event_record`` plus ``judged``: metric, value, threshold, median, mad, loss,
     batch, rollback_to, and per micro-batch ``losses``/``mean``) with its outlying examples; return it."""
+    import torch
+
     record = event_record(event, step)
     tags = [t if isinstance(t, dict) else {} for t in event.tags]
     losses = [_plain(t["losses"]) if isinstance(t.get("losses"), torch.Tensor) else None for t in tags]

@@ -6,29 +6,36 @@ in separate scopes, so a diff says at a glance which side changed; the contract 
 host range and is checked before training.
 """
 
-from steadytrain.env.build import canonical_name, dockerfile, image_tag, lockfile, parse_lockfile
-from steadytrain.env.contract import (
-    CUDA_MIN_DRIVER,
-    Contract,
-    ContractError,
-    VersionRange,
-    Violation,
-    check,
-    min_driver_for_cuda,
-    parse_version,
-)
-from steadytrain.env.manifest import (
-    SCOPES,
-    Difference,
-    EnvManifest,
-    ManifestError,
-    capture,
-    compare_ranks,
-    diff,
-    gather_manifests,
-    summarize,
-)
-from steadytrain.env.seeding import seed_everything
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from steadytrain._lazy import export_lazily
+
+if TYPE_CHECKING:
+    from steadytrain.env.build import canonical_name, dockerfile, image_tag, lockfile, parse_lockfile
+    from steadytrain.env.contract import (
+        CUDA_MIN_DRIVER,
+        Contract,
+        ContractError,
+        VersionRange,
+        Violation,
+        check,
+        min_driver_for_cuda,
+        parse_version,
+    )
+    from steadytrain.env.manifest import (
+        SCOPES,
+        Difference,
+        EnvManifest,
+        ManifestError,
+        capture,
+        compare_ranks,
+        diff,
+        gather_manifests,
+        summarize,
+    )
+    from steadytrain.env.seeding import seed_everything
 
 __all__ = [
     "CUDA_MIN_DRIVER",
@@ -55,3 +62,14 @@ __all__ = [
     "seed_everything",
     "summarize",
 ]
+
+_WHERE = {
+    **dict.fromkeys(("canonical_name", "dockerfile", "image_tag", "lockfile", "parse_lockfile"), "build"),
+    **dict.fromkeys(("CUDA_MIN_DRIVER", "Contract", "ContractError", "VersionRange", "Violation", "check"), "contract"),
+    **dict.fromkeys(("min_driver_for_cuda", "parse_version"), "contract"),
+    **dict.fromkeys(("SCOPES", "Difference", "EnvManifest", "ManifestError", "capture", "compare_ranks"), "manifest"),
+    **dict.fromkeys(("diff", "gather_manifests", "summarize"), "manifest"),
+    "seed_everything": "seeding",
+}
+# each name's submodule, imported on the name's first use: reading a manifest does not import the image builder
+export_lazily(__name__, _WHERE)

@@ -114,5 +114,5 @@ def gather_manifests(manifest: EnvManifest | None = None, group: Any = None) -> 
     rank = dist.get_rank(group)
     out: list[Any] | None = [None] * dist.get_world_size(group) if rank == 0 else None
     dst = dist.get_global_rank(group, 0) if group is not None else 0
-    dist.gather_object(manifest.to_dict(), out, dst=dst, group=group)
+    dist.gather_object(manifest.to_dict(), out, dst=dst, group=group)  # rank 0 compares every rank's environment
     return [EnvManifest.from_dict(d, source=f"rank {r}") for r, d in enumerate(out)] if out is not None else None

@@ -73,14 +73,15 @@ def evaluate_run(run_dir: str | Path, *, step: int | None = None, data: str | Pa
     run = open_run_dir(Path(run_dir))
     cfg = load_config(run.config)
     path = checkpoint_at(run.checkpoints, step)
-    info = init_distributed(cfg.distributed.backend)
+    info = init_distributed(cfg.distributed.backend)  # under torchrun the ranks share the evaluation set
     try:
         evalset = _evalset(cfg, run, info, Path(data) if data else None)
         torch.manual_seed(cfg.run.seed)
         model = build_model(cfg.model.name, cfg.model.kwargs(), context=model_context(cfg, data_path(cfg)))
+        # as the run wrapped it (DDP broadcasts rank 0's weights here), so each rank loads the shards it holds
         model = wrap_model(model, info, cfg.distributed.strategy, fsdp_policy(cfg))
         state = restore(path, model, None, no_dist=info.backend is None)  # each rank reads what it holds
         result = evaluate(model, evalset, info, precision=cfg.precision)
         return result.row(int(state["step"])) | {"checkpoint": str(path)}
-    finally:
+    finally:  # every rank leaves the group together, whatever happened, so no peer is left in a collective
         teardown(info)

@@ -3,7 +3,7 @@
 ``steadytrain.diagnose.hunt`` replays one shard or one optimizer step of a run. Building the model
 is train's business (the registry, the tabular model's statistics, checkpoints, the seeded initial
 weights), so diagnose calls :func:`run_model` here rather than knowing how; it gets back a plain
-model and plain settings.
+model and its :class:`~steadytrain.diagnose.settings.ReplaySettings`.
 
 Which weights: the checkpoint of step ``N`` holds the weights after optimizer step ``N``, so the
 weights optimizer step ``s`` started from are those after step ``s - 1``. The replay uses the newest
@@ -30,6 +30,7 @@ from steadytrain._io import load_json
 from steadytrain._text import error_text
 from steadytrain.data import open_dataset
 from steadytrain.data.transform import load_transform
+from steadytrain.diagnose.settings import ReplaySettings
 from steadytrain.errors import UserError
 from steadytrain.rundir.layout import open_run_dir
 from steadytrain.rundir.schema import read_metrics
@@ -129,7 +130,7 @@ def _load_weights(model: nn.Module, state: dict[str, Any], checkpoint: Path) -> 
 
 def run_model(
     run_dir: str | Path, *, checkpoint: str | Path | None = None, before_step: int | None = None
-) -> tuple[nn.Module, dict[str, Any]]:
+) -> tuple[nn.Module, ReplaySettings]:
     """The run's model with the weights of a checkpoint (or its initial ones), and the settings a replay needs.
 
     Args:
@@ -140,15 +141,10 @@ def run_model(
             weights); None: the newest.
 
     Returns:
-        ``(model, settings)``; settings hold ``data`` (path), ``shards`` (the training shards when some
-        were held out for validation, else None), ``rows`` (the training side's RowFilter when records of the
-        shards were held out, else None), ``schema`` (a Schema or None), ``policy``,
-        ``transform`` (the run's ``data.transform`` or None),
-        ``seed``, ``global_batch_size``, ``micro_batch_size``, ``shuffle_window``, ``checkpoint`` (None
-        for the initial weights), ``checkpoint_step`` (0 for the initial weights) and ``note`` (None
-        when the weights are exactly those of ``before_step``; else what they are instead) and ``spike``
-        (the run's ``threshold`` and ``min_ratio``: what an outlying loss is) and ``skipped_batches`` (the global
-        batches spike rollbacks passed over: step ``s`` trained on the ``s``-th of the others).
+        ``(model, settings)``: the :class:`~steadytrain.diagnose.settings.ReplaySettings` of the run's data
+        and batches, its ``spike`` rule and the global batches its rollbacks passed over; ``checkpoint`` (None
+        for the initial weights), ``checkpoint_step`` (0 for the initial weights) and ``note`` (None when the
+        weights are exactly those of ``before_step``; else what they are instead).
 
     Raises:
         UserError: not a run directory, an unreadable checkpoint, or one that does not fit the model.
@@ -171,21 +167,22 @@ def run_model(
     plan = load_json(run.plan, what="plan") if run.plan.exists() else {}
     held_out = set(plan.get("eval_shards") or ())
     gbs = plan.get("global_batch_size", cfg.batch.global_batch_size)
-    settings = {
-        "data": path,
-        "shards": sorted(set(open_dataset(path).shard_ids) - held_out) if held_out else None,
-        "rows": holdout(cfg, path, gbs).training_rows if cfg.eval.holdout_fraction is not None else None,
-        "schema": load_schema(cfg),
-        "policy": cfg.data.policy,
-        "transform": load_transform(cfg.data.transform),
-        "seed": cfg.run.seed,
-        "global_batch_size": gbs,
-        "micro_batch_size": cfg.batch.micro_batch_size,
-        "shuffle_window": cfg.data.shuffle_window,
-        "checkpoint": str(checkpoint) if checkpoint is not None else None,
-        "checkpoint_step": step,
-        "note": weights_note(step, before_step),
-        "spike": {"threshold": cfg.spike.threshold, "min_ratio": cfg.spike.min_ratio},
-        "skipped_batches": sorted({b for r in rollbacks for b in r["skipped_batches"]}),
-    }
+    settings = ReplaySettings(
+        data=path,
+        shards=sorted(set(open_dataset(path).shard_ids) - held_out) if held_out else None,
+        rows=holdout(cfg, path, gbs).training_rows if cfg.eval.holdout_fraction is not None else None,
+        schema=load_schema(cfg),
+        policy=cfg.data.policy,
+        transform=load_transform(cfg.data.transform),
+        seed=cfg.run.seed,
+        global_batch_size=gbs,
+        micro_batch_size=cfg.batch.micro_batch_size,
+        shuffle_window=cfg.data.shuffle_window,
+        checkpoint=str(checkpoint) if checkpoint is not None else None,
+        checkpoint_step=step,
+        note=weights_note(step, before_step),
+        spike_threshold=cfg.spike.threshold,
+        spike_min_ratio=cfg.spike.min_ratio,
+        skipped_batches=sorted({b for r in rollbacks for b in r["skipped_batches"]}),
+    )
     return model, settings

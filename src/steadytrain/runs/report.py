@@ -20,7 +20,7 @@ from steadytrain.errors import UserError
 from steadytrain.rundir.schema import check_nonfinite_report
 from steadytrain.runs import plots
 from steadytrain.runs.record import RunRecord, load_run, shown, smooth
-from steadytrain.train.observe.throughput import describe, summarize
+from steadytrain.train.observe.figures import describe, summarize
 
 __all__ = ["PLOTS", "Report", "environment_paragraph", "plan_sentence", "report", "report_after_training"]
 

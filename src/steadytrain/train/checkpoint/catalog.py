@@ -209,7 +209,7 @@ def restore(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | Non
     if optim_sd is not None:
         split_state(optim_sd, "optimizer", tensors)
     _fits(path, tensors, shapes, ("model/", "optimizer/") if optimizer is not None else ("model/",))
-    try:
+    try:  # a collective (unless no_dist): the ranks plan the read together, each loads the shards it now holds
         dcp.load(tensors, storage_reader=HuggingFaceStorageReader(str(path)), no_dist=no_dist)
         model_sd = join_state(state["model"], tensors)
         if optimizer is None:

@@ -138,6 +138,8 @@ class CheckpointWriter:
 
     def __init__(self, ckpt_dir: Path, info: DistInfo, *, use_async: bool, keep_last: int) -> None:
         self.dir, self.info, self.use_async, self.keep_last = ckpt_dir, info, use_async, keep_last
+        # async_save needs a CPU (gloo) group, and its collectives run on the background writing thread while the
+        # loop's run on the default group: a group of its own (new_group is a collective: every rank, here)
         self.group = dist.new_group(backend="gloo") if info.backend is not None and use_async else None
         self._stager: Any = None
         self._staged: Future | None = None
@@ -194,6 +196,7 @@ class CheckpointWriter:
             error = f"the checkpoint of step {step} cannot hold the run's state: {err}"
             if self.info.is_main:
                 shutil.rmtree(partial, ignore_errors=True)
+        # a rank whose state cannot be written stops every rank here, before any of them enters the save's collectives
         agree(self.info, error, "to checkpoint")
         self._pending = (step, partial, keep)
         self._start(tensors, partial, lambda: self._finish(state, step, partial, keep))
@@ -205,7 +208,7 @@ class CheckpointWriter:
         writer = _storage_writer(partial, _file_index(tensors, FILES_PER_RANK))
         no_dist = self.info.backend is None
         if not self.use_async:
-            try:
+            try:  # a collective: the ranks agree on one write plan, then each writes only the shards it holds
                 dcp.save(tensors, storage_writer=writer, no_dist=no_dist)
             except (Exception, CheckpointException) as err:  # DCP's: a BaseException
                 self._fail(err)
@@ -217,6 +220,7 @@ class CheckpointWriter:
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
             self._stager = DefaultStager(StagingOptions(False, False, True, False))  # staging reused across saves
+        # the same collective save, on self.group: its exchanges run on the writing thread while the loop goes on
         response = dcp.async_save(
             tensors, storage_writer=writer, process_group=self.group, async_stager=self._stager, no_dist=no_dist
         )

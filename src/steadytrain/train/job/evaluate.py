@@ -95,8 +95,8 @@ def evaluate(model: nn.Module, evalset: EvalSet, info: DistInfo, *, precision: s
         finally:
             net.train(was_training)
     if info.backend is not None:
-        dist.all_reduce(totals)
-    loss_sum, items, nonfinite = totals.tolist()  # host sync: once per evaluation
+        dist.all_reduce(totals)  # each rank saw its share of the held-out set: the loss is over all of it
+    loss_sum, items, nonfinite = totals.tolist()  # host sync, once per evaluation: the result is logged and compared
     val = loss_sum / items if items and math.isfinite(loss_sum) else None
     if nonfinite:
         log.warning("evaluation: %d of %d validation losses are not finite", int(nonfinite), int(items))

@@ -128,6 +128,6 @@ class TrainState:
         counts[: len(exposure)] = torch.from_numpy(exposure)
         if info.backend is not None:
             on = counts.to(info.device)  # NCCL reduces device tensors only
-            dist.all_reduce(on)
-            counts = on.cpu()
+            dist.all_reduce(on)  # the ledger's denominator: examples seen on every rank, not just this one
+            counts = on.cpu()  # host read, at a checkpoint or a refused step: the exposure is written as JSON
         return {s: int(n) for s, n in enumerate(counts.tolist()) if n}

@@ -129,9 +129,10 @@ class StopRequest:
         stop = False
         if self._work is not None:
             self._work.wait()
-            stop = bool(self._flag.item())  # a CPU tensor: no device sync
+            stop = bool(self._flag.item())  # stopping is a Python branch; a CPU tensor: no device sync
         if not stop:
             self._flag = torch.tensor([1 if self.signal is not None else 0], dtype=torch.int32)
+            # a signal on any rank stops every rank; reduced in the background, read at the next boundary
             self._work = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
         else:
             self._work = None

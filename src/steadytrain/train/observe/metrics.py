@@ -117,19 +117,20 @@ class MetricsLog:
             return []
         losses = torch.stack([p.loss for p in self._pending])
         if self.info.backend is not None:
-            dist.all_reduce(losses, op=dist.ReduceOp.SUM)
+            dist.all_reduce(losses, op=dist.ReduceOp.SUM)  # the logged loss is the global batch's, not this rank's
             losses /= self.info.world_size
         steps = [p.step for p in self._pending]
         if self.spikes is not None:  # the spike flags ride on this read: no host read of their own
             flags = self.spikes.judge(steps, losses, [p.grad_norm for p in self._pending])
-            values = torch.cat([losses, flags.to(losses.dtype)]).tolist()  # host sync: once per logging interval
+            # host sync, once per logging interval: the rows are written (and tracked) as Python numbers
+            values = torch.cat([losses, flags.to(losses.dtype)]).tolist()
             values, flagged = values[: len(steps)], [f > 0 for f in values[len(steps) :]]
             flagged = self.spikes.settle(steps, flagged, values, [p.skipped for p in self._pending])
             for p in (p for p, f in zip(self._pending, flagged, strict=True) if f):
                 p.spike = True
             self.spikes.judged(steps, flagged)
         else:
-            values = losses.tolist()  # host sync: once per logging interval
+            values = losses.tolist()  # host sync, once per logging interval: the rows are Python numbers
         rows = []
         mem = {"peak_mem_mb": peak_mem_mb(self.info.device)} if self.throughput is not None else {}
         for p, loss in zip(self._pending, values, strict=True):

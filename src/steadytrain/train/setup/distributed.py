@@ -61,7 +61,7 @@ def init_distributed(backend: str = "auto") -> DistInfo:
     chosen = ("nccl" if cuda else "gloo") if backend == "auto" else backend
     if chosen == "nccl" and not cuda:
         raise UserError("distributed.backend=nccl needs CUDA devices: use gloo (or auto) on CPU")
-    if not dist.is_initialized():
+    if not dist.is_initialized():  # joins torchrun's rendezvous: every later collective needs the group
         dist.init_process_group(chosen)
     return DistInfo(dist.get_rank(), dist.get_world_size(), local, device, chosen)
 
@@ -97,6 +97,7 @@ def wrap_model(model: nn.Module, info: DistInfo, strategy: str, mp_policy: Any =
     if strategy == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
+        # a collective: DDP broadcasts rank 0's parameters and buffers, so every replica starts from the same weights
         return DDP(model, device_ids=[info.device.index] if info.device.type == "cuda" else None)
     from torch.distributed.fsdp import fully_shard
 
@@ -110,8 +111,9 @@ def wrap_model(model: nn.Module, info: DistInfo, strategy: str, mp_policy: Any =
 
 
 def barrier(info: DistInfo) -> None:
+    """Wait for every rank (alone: return): each call site says which file must exist before any rank goes on."""
     if info.backend is not None:
-        dist.barrier()
+        dist.barrier()  # rank 0 did file work the others depend on (a directory, a log cut, summary.md)
 
 
 def from_main(info: DistInfo, value: int) -> int:
@@ -120,8 +122,8 @@ def from_main(info: DistInfo, value: int) -> int:
     if info.backend is None:
         return value
     t = torch.tensor([value], dtype=torch.int64, device=info.device)
-    dist.broadcast(t, src=0)
-    return int(t.item())  # host sync: once per call
+    dist.broadcast(t, src=0)  # only rank 0 saw the files: every rank must act on its value
+    return int(t.item())  # host sync, once per call: the caller decides in Python (which checkpoint to load)
 
 
 def quiesce(world_size: int, key: str = "steadytrain/teardown", timeout_s: float = 300.0) -> None:
@@ -142,8 +144,8 @@ def teardown(info: DistInfo) -> None:
     """Leave the process group once no rank uses it any more (a barrier, then :func:`quiesce`)."""
     if info.backend is not None and dist.is_initialized():
         try:
-            dist.barrier()
-            quiesce(info.world_size)
+            dist.barrier()  # every rank is past its last collective (a save, an evaluation) before any rank leaves
+            quiesce(info.world_size)  # no rank destroys the group while a peer still reads the barrier's last message
         finally:
             dist.destroy_process_group()
 
@@ -152,8 +154,8 @@ def agree(info: DistInfo, error: str | None, where: str = "at start") -> None:
     """Raise the same UserError on every rank if any rank has an ``error`` (one all-reduce, on the device)."""
     if info.backend is not None:
         flag = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=info.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if flag.item() and error is None:  # host sync: once per call
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # any rank's failure is every rank's: none waits alone later
+        if flag.item() and error is None:  # host sync, once per call: whether to raise is a Python decision
             error = f"another rank failed {where} (its log says why)"
     if error is not None:
         raise UserError(error)
