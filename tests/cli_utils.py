@@ -4,8 +4,9 @@ user error.
 :func:`in_process` runs ``steadytrain.cli.main(argv)`` in the test process: no 3.5 s of imports per launch. What a
 command may leave behind in the process is put back after each call: environment variables, ``sys.path``, the
 working directory, torch's determinism flag, thread count and CPU random state, the loggers' handlers and levels,
-warning filters, the SIGINT/SIGTERM handlers, and modules imported from outside the repository and the Python
-installation (a test's user-model modules, which the next test may write anew under the same name). Torch runs on
+warning filters, the SIGINT/SIGTERM handlers, and modules imported from the call's own ``PYTHONPATH`` (a test's
+user-model modules, which the next call may write anew under the same name). :func:`forget_user_modules` drops the
+modules a test imported from outside the repository and the installation, once the test is done with them. Torch runs on
 one thread during the call, as a launched command does under ``OMP_NUM_THREADS=1``.
 """
 
@@ -44,9 +45,13 @@ def _loggers() -> dict[str, tuple[list, int, bool]]:
     return {n: (list(lg.handlers), lg.level, lg.propagate) for n in names for lg in [logging.getLogger(n or None)]}
 
 
-def _outside(mod: object) -> bool:
+def _outside(mod: object, roots: tuple[str, ...] | None = None) -> bool:
+    """Whether ``mod`` was loaded from under ``roots`` (None: from outside the repository and the installation)."""
     file = getattr(mod, "__file__", None)
-    return bool(file) and not str(Path(file).resolve()).startswith(_KEEP)
+    if not file:
+        return False
+    where = str(Path(file).resolve())
+    return where.startswith(roots) if roots is not None else not where.startswith(_KEEP)
 
 
 @contextlib.contextmanager
@@ -79,7 +84,21 @@ def isolated(env: dict[str, str] | None = None):
         warnings.filters[:] = filters
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
+        roots = tuple(str(Path(p).resolve()) for p in extra_path)
         for name in set(sys.modules) - modules:
+            if roots and _outside(sys.modules.get(name), roots):
+                del sys.modules[name]
+
+
+@contextlib.contextmanager
+def forget_user_modules():
+    """Modules first imported inside the block from outside the repository and the Python installation are
+    dropped at its end (a test's user models: the next test may write others under the same name)."""
+    before = set(sys.modules)
+    try:
+        yield
+    finally:
+        for name in set(sys.modules) - before:
             if _outside(sys.modules.get(name)):
                 del sys.modules[name]
 

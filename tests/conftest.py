@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.cli_utils import in_process
+from tests.cli_utils import forget_user_modules, in_process
 
 RANKS = "ranks"
 """The pytest-xdist group of every test marked ``distributed`` (it starts ranks of its own)."""
@@ -23,6 +23,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         group = RANKS if item.get_closest_marker("distributed") else item.nodeid.split("::")[0]
         item.add_marker(pytest.mark.xdist_group(group))
+
+
+@pytest.fixture(autouse=True)
+def _fresh_user_modules():
+    """Every test's user-model modules are forgotten after it: the next test may write others under the same name."""
+    with forget_user_modules():
+        yield
 
 
 @pytest.fixture

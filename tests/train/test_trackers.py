@@ -29,6 +29,7 @@ from steadytrain.rundir.layout import RunDir
 from steadytrain.train.observe.trackers import start_trackers
 from steadytrain.train.setup.config import load_config
 from steadytrain.train.setup.distributed import DistInfo
+from tests.cli_utils import launched
 from tests.train_utils import TINY, run_cli, sets, write_text_dataset
 
 ALL = "run.trackers=[tensorboard,wandb,mlflow]"
@@ -58,8 +59,13 @@ def _items(data: Path, *extra: str) -> list[str]:
     return [*TINY, f"data.path={data}", "eval.holdout_shards=1", "run.log_every=2", *extra]
 
 
-def _train(run: Path, items: list[str], *args: str, code: int = 0, **env: str) -> subprocess.CompletedProcess:
-    proc = run_cli("train", *args, *(("--run-dir", str(run)) if not args else ()), *sets(*items), **env)
+def _train(
+    run: Path, items: list[str], *args: str, code: int = 0, process: bool = False, **env: str
+) -> subprocess.CompletedProcess:
+    """A run; in its own process for a crash (``code`` 1: it keeps its traceback, as a user's crashed run does) or
+    when W&B's process-wide state must start fresh (``process``), as it does for every real run."""
+    run_one = launched if process or code == 1 else run_cli
+    proc = run_one("train", *args, *(("--run-dir", str(run)) if not args else ()), *sets(*items), **env)
     assert proc.returncode == code, proc.stderr[-3000:]
     return proc
 
@@ -290,7 +296,7 @@ def test_resume_after_a_crash_continues_the_same_runs_and_logs_each_step_once(tm
     assert [r["step"] for r in first if "val_loss" not in r] == [1, 2, 3, 4, 5, 6]
     ids = json.loads((run / "trackers.json").read_text())
 
-    _train(run, ["run.max_steps=16"], "--resume", str(run), **env)
+    _train(run, ["run.max_steps=16"], "--resume", str(run), process=True, **env)
     rows = _rows(run)
     assert [r["step"] for r in rows if "val_loss" not in r] == list(range(1, 17))
     state = json.loads((run / "trackers.json").read_text())
