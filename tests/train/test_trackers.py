@@ -62,9 +62,9 @@ def _items(data: Path, *extra: str) -> list[str]:
 def _train(
     run: Path, items: list[str], *args: str, code: int = 0, process: bool = False, **env: str
 ) -> subprocess.CompletedProcess:
-    """A run; in its own process for a crash (``code`` 1: it keeps its traceback, as a user's crashed run does) or
-    when W&B's process-wide state must start fresh (``process``), as it does for every real run."""
-    run_one = launched if process or code == 1 else run_cli
+    """A run; in its own process for a crash (``code`` 1: it keeps its traceback, as a user's crashed run does) and
+    for W&B (its service process and settings are process-wide state that a real run starts fresh)."""
+    run_one = launched if process or code == 1 or any("wandb" in item for item in items) else run_cli
     proc = run_one("train", *args, *(("--run-dir", str(run)) if not args else ()), *sets(*items), **env)
     assert proc.returncode == code, proc.stderr[-3000:]
     return proc
