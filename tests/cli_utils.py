@@ -27,7 +27,8 @@ import torch
 
 EXE = str(Path(sys.executable).with_name("steadytrain"))
 ROOT = Path(__file__).resolve().parents[1]
-_KEEP = tuple(str(Path(p).resolve()) for p in {ROOT, sys.prefix, sys.base_prefix, sys.exec_prefix})
+_INSTALLED = tuple(str(Path(p).resolve()) for p in {sys.prefix, sys.base_prefix, sys.exec_prefix, ROOT / "src"})
+_KEEP = (str(ROOT), *_INSTALLED)
 
 
 def assert_user_error(proc: subprocess.CompletedProcess, *words: str, code: int = 2) -> None:
@@ -51,7 +52,10 @@ def _outside(mod: object, roots: tuple[str, ...] | None = None) -> bool:
     if not file:
         return False
     where = str(Path(file).resolve())
-    return where.startswith(roots) if roots is not None else not where.startswith(_KEEP)
+    if roots is None:
+        return not where.startswith(_KEEP)
+    # A PYTHONPATH may hold the repository, whose .venv and src/ are the installation: never forget those.
+    return where.startswith(roots) and not where.startswith(_INSTALLED)
 
 
 @contextlib.contextmanager

@@ -1,5 +1,8 @@
 """Fixtures every test module may use, and how ``make test`` spreads the suite over the machine's cores.
 
+``tiny_run``: ``tiny_run(*items) -> Path``, a finished TINY run on a small text dataset (``tiny_data``), trained
+once per distinct ``items`` for the whole session (per worker); a test that changes it works on ``copy_run(run, ...)``.
+
 ``cli``: runs ``steadytrain.cli.main(argv)`` in the test process (no 3.5 s of imports per launch) and
 returns the exit code, stdout and stderr (:func:`tests.cli_utils.in_process`, which puts back what a command
 changes in the process: environment, ``sys.path``, torch's determinism flag, threads and random state,
@@ -8,14 +11,18 @@ loggers, warning filters, signal handlers, user-model modules).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from tests.cli_utils import forget_user_modules, in_process
+from tests.train_utils import TINY, train, write_text_dataset
 
 RANKS = "ranks"
 """The pytest-xdist group of every test marked ``distributed`` (it starts ranks of its own)."""
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups off the items
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist (``make test`` runs ``-n 2 --dist loadgroup``) the tests that start ranks of their own
     share one worker, one at a time, so two 2-rank jobs never share the two cores; every other module's tests stay
@@ -36,3 +43,25 @@ def _fresh_user_modules():
 def cli():
     """``cli(*argv) -> CompletedProcess``: the command line, in this process."""
     return in_process
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory) -> Path:
+    """400 byte sequences (33 bytes) of this project's source in 4 shards."""
+    return write_text_dataset(tmp_path_factory.mktemp("tiny-data"), [100] * 4)
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory, tiny_data):
+    """``tiny_run(*items) -> Path``: a finished run of ``TINY`` on ``tiny_data`` with ``items`` set (``key=value``),
+    trained the first time these items are asked for and shared after. Treat it as read-only: copy it to change it."""
+    runs: dict[tuple[str, ...], Path] = {}
+
+    def run(*items: str) -> Path:
+        if items not in runs:
+            where = tmp_path_factory.mktemp("tiny-run") / "run"
+            train(where, *TINY, f"data.path={tiny_data}", *items)
+            runs[items] = where
+        return runs[items]
+
+    return run

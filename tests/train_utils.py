@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import pyarrow as pa
 from steadytrain.data import DatasetWriter
 from tests.cli_utils import EXE, in_process, launched
 
-__all__ = ["EXE", "TINY", "evals", "metrics", "run_cli", "sets", "write_text_dataset"]
+__all__ = ["EXE", "TINY", "copy_run", "evals", "metrics", "run_cli", "sets", "train", "write_text_dataset"]
 TINY = [
     "model.dim=32",
     "model.layers=1",
@@ -37,6 +38,21 @@ def run_cli(*args: str, timeout: int = 300, **extra_env: str) -> subprocess.Comp
     if "--nproc" in args:
         return launched(*args, timeout=timeout, **extra_env)
     return in_process(*args, **extra_env)
+
+
+def train(
+    run_dir: Path, *items: str, code: int = 0, args: tuple[str, ...] = (), **env: str
+) -> subprocess.CompletedProcess:
+    """``steadytrain train [ARGS] --run-dir RUN_DIR --set ITEM...`` through :func:`run_cli`; fails the test unless it
+    exits ``code``."""
+    proc = run_cli("train", *args, "--run-dir", str(run_dir), *sets(*items), **env)
+    assert proc.returncode == code, proc.stderr[-3000:]
+    return proc
+
+
+def copy_run(run: Path, where: Path) -> Path:
+    """A copy of a shared run that a test may change (the shared one stays as it was trained)."""
+    return Path(shutil.copytree(run, where))
 
 
 def metrics(run_dir: Path) -> list[dict]:

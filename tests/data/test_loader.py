@@ -17,6 +17,7 @@ from steadytrain.data import BatchedDataset
 from steadytrain.data.loader import DataWorkerError, MicroBatchLoader
 from steadytrain.errors import UserError
 from tests import loader_utils
+from tests.dist_utils import cli_on_ranks
 from tests.train_utils import TINY, metrics, run_cli, sets, write_text_dataset
 
 REPO = Path(__file__).resolve().parents[2]
@@ -121,14 +122,21 @@ def test_bad_settings_are_refused(text_data):
         MicroBatchLoader(dataset(text_data), prefetch=0)
 
 
-def train(run_dir: Path, data: Path, *extra: str, steps: int = 6, nproc: int = 1) -> list[float]:
-    args = sets(*TINY, f"data.path={data}", f"run.max_steps={steps}", "run.log_every=1", *extra)
-    proc = run_cli("train", "--nproc", str(nproc), "--run-dir", str(run_dir), *args, PYTHONPATH=str(REPO))
-    assert proc.returncode == 0, proc.stderr[-3000:]
+def train_args(data: Path, *extra: str, steps: int = 6) -> list[str]:
+    return sets(*TINY, f"data.path={data}", f"run.max_steps={steps}", "run.log_every=1", *extra)
+
+
+def losses(run_dir: Path) -> list[float]:
     return [m["loss"] for m in metrics(run_dir)]
 
 
-@pytest.mark.distributed
+def train(run_dir: Path, data: Path, *extra: str) -> list[float]:
+    """One rank, in this process (its workers are this process's children, as a run's are its own)."""
+    proc = run_cli("train", "--run-dir", str(run_dir), *train_args(data, *extra), PYTHONPATH=str(REPO))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return losses(run_dir)
+
+
 def test_losses_identical_for_0_1_3_workers_with_a_transform(tmp_path, text_data):
     t = "data.transform=tests.loader_utils:reverse"
     base = train(tmp_path / "w0", text_data, t, "data.num_workers=0")
@@ -141,8 +149,13 @@ def test_losses_identical_for_0_1_3_workers_with_a_transform(tmp_path, text_data
 @pytest.mark.distributed
 def test_losses_identical_for_workers_on_two_ranks(tmp_path, text_data):
     t = "data.transform=tests.loader_utils:reverse"
-    base = train(tmp_path / "w0", text_data, t, "data.num_workers=0", nproc=2)
-    assert train(tmp_path / "w3", text_data, t, "data.num_workers=3", nproc=2) == base
+    runs = {n: tmp_path / f"w{n}" for n in (0, 3)}
+    commands = [["train", "--run-dir", runs[n], *train_args(text_data, t, f"data.num_workers={n}")] for n in runs]
+    for ranks in cli_on_ranks(tmp_path, commands, PYTHONPATH=str(REPO)):
+        assert all(p.returncode == 0 for p in ranks), ranks[0].stderr[-3000:]
+    base = losses(runs[0])
+    assert len(base) == 6
+    assert losses(runs[3]) == base
 
 
 def test_transform_spec_that_does_not_import_is_one_line(tmp_path, text_data):

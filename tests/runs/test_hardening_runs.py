@@ -28,7 +28,7 @@ from steadytrain.errors import UserError
 from steadytrain.runs import load_run
 from tests import train_utils
 from tests.cli_utils import assert_user_error
-from tests.train_utils import run_cli, sets, write_text_dataset
+from tests.train_utils import sets, write_text_dataset
 
 PLOTS = ("grad_norm", "loss", "lr", "throughput")
 HOSTILE = "ok\n## INJECTED <img src=x onerror=alert(1)>"
@@ -384,13 +384,9 @@ def test_exposure_counts_of_the_wrong_type_are_one_error(tmp_path, exposure, wor
 
 
 @pytest.fixture(scope="module")
-def real_run(tmp_path_factory) -> Path:
+def real_run(tiny_run) -> Path:
     """A real 3-step run (repro and sweep need a config that trains)."""
-    data = write_text_dataset(tmp_path_factory.mktemp("hard-data"), [100] * 4)
-    run = tmp_path_factory.mktemp("hard-runs") / "base"
-    proc = run_cli("train", "--run-dir", str(run), *sets(*train_utils.TINY, "run.max_steps=3", f"data.path={data}"))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return run
+    return tiny_run("run.max_steps=3")
 
 
 def test_repro_without_an_env_record_says_so_and_exits_non_zero(real_run, tmp_path):

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests import train_utils
-from tests.train_utils import metrics, run_cli, sets, write_text_dataset
+from tests.train_utils import copy_run, metrics, run_cli, sets, train
 
 TINY = [*train_utils.TINY, "run.max_steps=6"]
 PLOTS = ("loss", "lr", "grad_norm", "throughput")
@@ -44,26 +44,15 @@ def set_driver(run: Path, driver: str | None) -> None:
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory) -> Path:
+def data(tiny_data) -> Path:
     """400 byte sequences of this project's source in 4 shards (a few KB: not the default corpus)."""
-    return write_text_dataset(tmp_path_factory.mktemp("runs-data"), [100] * 4)
-
-
-def train(run: Path, data: Path, *extra: str) -> Path:
-    proc = run_cli("train", "--run-dir", str(run), *sets(*TINY, f"data.path={data}", *extra))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return run
+    return tiny_data
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory, data) -> Path:
+def run(tiny_run) -> Path:
     """One 6-step run with a clip threshold low enough that some steps are clipped."""
-    return train(tmp_path_factory.mktemp("runs") / "base", data, "clip.max_grad_norm=0.5")
-
-
-def copy_run(run: Path, where: Path) -> Path:
-    shutil.copytree(run, where)
-    return where
+    return tiny_run("run.max_steps=6", "clip.max_grad_norm=0.5")
 
 
 # --- report ---------------------------------------------------------------------------------------
@@ -149,7 +138,8 @@ def test_compare_of_a_run_with_itself_says_identical(run, tmp_path):
 
 
 def test_compare_names_the_one_config_key_and_the_first_divergent_step(run, data, tmp_path):
-    other = train(tmp_path / "wd", data, "clip.max_grad_norm=0.5", "optim.weight_decay=0.3")
+    other = tmp_path / "wd"
+    train(other, *TINY, f"data.path={data}", "clip.max_grad_norm=0.5", "optim.weight_decay=0.3")
     out = compare_json(run, other, tmp_path)
     assert out["config"] == {"optim.weight_decay": [0.01, 0.3]}
     a, b = metrics(run), metrics(other)

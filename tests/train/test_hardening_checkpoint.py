@@ -12,22 +12,19 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from steadytrain.cli import main
 from tests.cli_utils import assert_user_error
-from tests.train_utils import TINY, sets, write_text_dataset
+from tests.train_utils import sets
 
 CKPT = "step-00000004"
 
 
+BASE = ("run.max_steps=4", "checkpoint.every_steps=2", "checkpoint.keep_last=5", "run.log_every=1")
+"""A 4-step run with checkpoints at 2 and 4 (each test damages a copy)."""
+
+
 @pytest.fixture(scope="module")
-def base(tmp_path_factory) -> Path:
-    """A 4-step run with checkpoints at 2 and 4 (each test damages a copy)."""
-    where = tmp_path_factory.mktemp("ckpt")
-    data = write_text_dataset(where / "data", [40, 40, 40, 40])
-    run = where / "base"
-    items = [*TINY, f"data.path={data}", "run.max_steps=4", "checkpoint.every_steps=2", "checkpoint.keep_last=5"]
-    assert main(["train", "--run-dir", str(run), *sets(*items, "run.log_every=1")]) == 0
-    return run
+def base(tiny_run) -> Path:
+    return tiny_run(*BASE)
 
 
 def _copy(base: Path, tmp_path: Path) -> Path:

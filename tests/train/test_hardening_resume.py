@@ -12,22 +12,18 @@ from pathlib import Path
 import pytest
 
 from tests.cli_utils import assert_user_error
-from tests.train_utils import TINY, evals, run_cli, sets, write_text_dataset
+from tests.train_utils import TINY, evals, run_cli, sets
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory) -> Path:
-    return write_text_dataset(tmp_path_factory.mktemp("res") / "data", [40, 40, 40, 40])
+def data(tiny_data) -> Path:
+    return tiny_data
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory, data) -> Path:
+def base(tiny_run) -> Path:
     """A 4-step run with checkpoints at 2 and 4 (copied by each test before it is damaged)."""
-    run = tmp_path_factory.mktemp("res") / "base"
-    items = [*TINY, f"data.path={data}", "run.max_steps=4", "checkpoint.every_steps=2", "checkpoint.keep_last=5"]
-    proc = run_cli("train", "--run-dir", str(run), *sets(*items))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return run
+    return tiny_run("run.max_steps=4", "checkpoint.every_steps=2", "checkpoint.keep_last=5", "run.log_every=1")
 
 
 def _copy(base: Path, where: Path) -> Path:
