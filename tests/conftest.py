@@ -32,6 +32,18 @@ def pytest_collection_modifyitems(config, items):
         item.add_marker(pytest.mark.xdist_group(group))
 
 
+@pytest.hookimpl(trylast=True)  # after pytest-xdist has written the groups into the test ids
+def pytest_collection_finish(session):
+    """Refuse a run whose groups did not take: ranks on both workers would share the two cores, silently slower."""
+    if not getattr(session.config.option, "loadgroup", False) or not session.items:
+        return
+    if not any("@" in item.nodeid for item in session.items):
+        raise pytest.UsageError(
+            f"pytest-xdist's --dist loadgroup did not apply the test groups under pytest {pytest.__version__}; "
+            "install the pytest that pyproject.toml's dev extra names (pip install -e '.[dev]')"
+        )
+
+
 @pytest.fixture(autouse=True)
 def _fresh_user_modules():
     """Every test's user-model modules are forgotten after it: the next test may write others under the same name."""
