@@ -30,6 +30,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         group = RANKS if item.get_closest_marker("distributed") else item.nodeid.split("::")[0]
         item.add_marker(pytest.mark.xdist_group(group))
+    # The ranks group is the longest and runs on one worker: first, so it does not end the run alone.
+    items.sort(key=lambda item: not item.get_closest_marker("distributed"))
 
 
 @pytest.hookimpl(trylast=True)  # after pytest-xdist has written the groups into the test ids

@@ -86,7 +86,7 @@ def train(
     on rank 0 with the run directory and why it stopped (None: it finished) when the run has ended, before
     its experiment trackers close: ``steadytrain train`` draws the plots there, so they reach the trackers.
     """
-    info = init_distributed(cfg.distributed.backend)
+    info = init_distributed(cfg.distributed.backend)  # the process group: every collective below runs on it
     job, ending = None, None
     with contextlib.ExitStack() as signals:
         try:
@@ -140,6 +140,7 @@ def _pieces(cfg: TrainConfig, info: DistInfo) -> _Pieces:
     model = build_model(cfg.model.name, cfg.model.kwargs(), context=model_context(cfg, path))
     hf_files = hf_run_files(model, path) if info.is_main else {}  # config.json, tokenizer: `export --format hf`
     compiled = speed_up(model, cfg.model, announce=info.is_main)  # checkpointing, then compile: before the wrap
+    # DDP broadcasts rank 0's weights when built; fully_shard keeps each rank's shard of the equal, seeded weights
     model = wrap_model(model, info, cfg.distributed.strategy, fsdp_policy(cfg))
     optimizer = build_optimizer(cfg, model, plan.lr, info.device)
     scaler = torch.amp.GradScaler(info.device.type) if cfg.precision == "fp16" else None
@@ -165,6 +166,7 @@ def _build(cfg: TrainConfig, info: DistInfo, where: _Where, signals: contextlib.
         )
         writer.guard(p.optimizer)  # an asynchronous save's copy of the state completes before the next update
         hyper = hyperparameters(p.optimizer)  # the config's settings, before a checkpoint's replace them
+        # a gather: rank 0 compares every rank's image and host with its own (a differing rank is named at start)
         runfiles.record_environment(info, run, manifest, resume=where.resume is not None)
         if where.resume is not None:
             parts = Restorable(p.model, p.optimizer, p.acc.scheduler, state, hyper, info, cfg.run)
@@ -380,12 +382,12 @@ def _after_step(job: Job, result: Any, loss: torch.Tensor) -> str | None:
         runfiles.write_exposure(job)
     cfg = job.cfg
     if job.state.step % cfg.run.log_every == 0:
-        job.metrics.flush()
+        job.metrics.flush()  # an all-reduce on every rank at the same step: the logged loss is the global batch's
     # an evaluation due at this step runs before a stop is honoured: a resume starts after this step
     best = (
         _validate(job) if job.validation is not None and job.validation.due(job.state.step, _last_step(job)) else False
     )
-    if job.stop.agreed() and not job.step.ended:
+    if job.stop.agreed() and not job.step.ended:  # one all-reduce: a signal on any rank stops all at this step
         return f"interrupted by {job.stop.name} at step {job.state.step}"  # the checkpoint follows (in _run)
     if (
         (job.state.step % cfg.checkpoint.every_steps == 0 or best)
@@ -412,6 +414,7 @@ def _validate(job: Job) -> bool:
     """Evaluate after this step (every rank), write its row (``val_time_s``: the pass's own time); whether a checkpoint
     must keep it as the best. Its time is set aside: the next step's ``step_s`` and ``items_per_s`` leave it out."""
     with job.metrics.aside("eval") as spent:
+        # sums over every rank's slice of the held-out set: the loss of the whole set, equal on every world size
         result = evaluate(job.model, job.validation.evalset, job.info, precision=job.cfg.precision)
         row = result.row(job.state.step) | {"val_time_s": round(spent(), 3)}
         improved, stop = job.validation.record(result, job.state.step)
