@@ -13,7 +13,18 @@ import pyarrow as pa
 from steadytrain.data import DatasetWriter
 from tests.cli_utils import EXE, in_process, launched
 
-__all__ = ["EXE", "TINY", "copy_run", "evals", "metrics", "run_cli", "sets", "train", "write_text_dataset"]
+__all__ = [
+    "CHECKPOINTED",
+    "EXE",
+    "TINY",
+    "copy_run",
+    "evals",
+    "metrics",
+    "run_cli",
+    "sets",
+    "train",
+    "write_text_dataset",
+]
 TINY = [
     "model.dim=32",
     "model.layers=1",
@@ -30,6 +41,10 @@ TINY = [
 def sets(*items: str) -> list[str]:
     """``--set`` flags for each ``key=value``."""
     return [x for item in items for x in ("--set", item)]
+
+
+CHECKPOINTED = ("run.max_steps=4", "checkpoint.every_steps=2", "checkpoint.keep_last=5", "run.log_every=1")
+"""A 4-step run with checkpoints at 2 and 4, a row per step (``tiny_run(*CHECKPOINTED)``: tests damage a copy)."""
 
 
 def run_cli(*args: str, timeout: int = 300, **extra_env: str) -> subprocess.CompletedProcess:

@@ -13,22 +13,18 @@ import pytest
 from safetensors.torch import load_file
 
 from tests.cli_utils import assert_user_error
-from tests.train_utils import sets
+from tests.train_utils import CHECKPOINTED, copy_run, sets
 
 CKPT = "step-00000004"
 
 
-BASE = ("run.max_steps=4", "checkpoint.every_steps=2", "checkpoint.keep_last=5", "run.log_every=1")
-"""A 4-step run with checkpoints at 2 and 4 (each test damages a copy)."""
-
-
 @pytest.fixture(scope="module")
 def base(tiny_run) -> Path:
-    return tiny_run(*BASE)
+    return tiny_run(*CHECKPOINTED)
 
 
 def _copy(base: Path, tmp_path: Path) -> Path:
-    return Path(shutil.copytree(base, tmp_path / "run"))
+    return copy_run(base, tmp_path / "run")
 
 
 def _snapshot(run: Path) -> dict[str, bytes]:
@@ -212,7 +208,7 @@ def _link_files(src: Path, dst: Path) -> None:
 def test_a_symbolic_link_inside_the_checkpoints_is_refused_and_the_other_run_untouched(base, tmp_path, cli, what):
     """A checkpoint whose files (or itself) link into another run was resumed from, and the resume's retention and
     writes went on through it; state.json linked to a device was taken for a missing one."""
-    run, other = _copy(base, tmp_path), Path(shutil.copytree(base, tmp_path / "other"))
+    run, other = _copy(base, tmp_path), copy_run(base, tmp_path / "other")
     mine, theirs = run / "checkpoints" / CKPT, other / "checkpoints" / CKPT
     if what == "files":
         _link_files(theirs, mine)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.cli_utils import assert_user_error
-from tests.train_utils import TINY, evals, run_cli, sets
+from tests.train_utils import CHECKPOINTED, TINY, copy_run, evals, run_cli, sets
 
 
 @pytest.fixture(scope="module")
@@ -23,14 +23,7 @@ def data(tiny_data) -> Path:
 @pytest.fixture(scope="module")
 def base(tiny_run) -> Path:
     """A 4-step run with checkpoints at 2 and 4 (copied by each test before it is damaged)."""
-    return tiny_run("run.max_steps=4", "checkpoint.every_steps=2", "checkpoint.keep_last=5", "run.log_every=1")
-
-
-def _copy(base: Path, where: Path) -> Path:
-    import shutil
-
-    shutil.copytree(base, where)
-    return where
+    return tiny_run(*CHECKPOINTED)
 
 
 def _files(run: Path) -> dict[str, bytes]:
@@ -52,7 +45,7 @@ def _files(run: Path) -> dict[str, bytes]:
     ids=["text", "a", "brace-q", "passwd", "stock-pickle", "wrong-type", "empty-header", "pickle-shards"],
 )
 def test_a_damaged_latest_checkpoint_is_one_line_naming_the_previous_one(base, tmp_path, name, content):
-    run = _copy(base, tmp_path / "run")
+    run = copy_run(base, tmp_path / "run")
     for f in (run / "checkpoints" / "step-00000004").glob(name):
         f.write_bytes(content)
     before = _files(run)
@@ -80,7 +73,7 @@ def test_a_checkpoint_that_is_not_a_file_says_so(base):
     ],
 )
 def test_resume_refuses_a_damaged_run_file_before_training(base, tmp_path, name, damage, word):
-    run = _copy(base, tmp_path / "run")
+    run = copy_run(base, tmp_path / "run")
     path = run / name
     path.write_text(damage(path.read_text() if path.exists() else ""))
     before = _files(run)
@@ -125,7 +118,7 @@ def test_a_huge_batch_number_names_its_section(tmp_path):
 
 
 def test_the_resume_record_is_json(base, tmp_path):
-    run = _copy(base, tmp_path / "run")
+    run = copy_run(base, tmp_path / "run")
     assert run_cli("train", "--resume", str(run), *sets("run.max_steps=5")).returncode == 0
     (record,) = [json.loads(x) for x in (run / "resumes.jsonl").read_text().splitlines()]
     assert record["step"] == 4 and record["world_size"] == 1 and record["changes"] == {"run.max_steps": [4, 5]}
