@@ -43,6 +43,21 @@ def spawn(fn, world_size: int, tmp_path: Path, *args) -> None:
     mp.spawn(_entry, args=(fn, world_size, str(tmp_path), args), nprocs=world_size, join=True)
 
 
+def _entry_all(rank: int, world_size: int, tmp: Path, jobs: dict[str, tuple]) -> None:
+    for name, (fn, *args) in jobs.items():
+        (tmp / name).mkdir(exist_ok=True)
+        fn(rank, world_size, tmp / name, *args)
+        dist.barrier()  # each job starts on every rank together, as its own spawn would
+
+
+def spawn_all(tmp_path: Path, jobs: dict[str, tuple], world_size: int = 2) -> dict[str, Path]:
+    """Several workers on the same ``world_size`` gloo ranks, one after another: ``jobs`` maps a name to
+    ``(fn, *args)``; each runs as ``fn(rank, world_size, tmp_path / name, *args)``. One start-up (imports, process
+    group) for all of them instead of one spawn each; returns each job's output folder for :func:`load_all`."""
+    spawn(_entry_all, world_size, tmp_path, jobs)
+    return {name: tmp_path / name for name in jobs}
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

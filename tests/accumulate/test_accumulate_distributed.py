@@ -1,4 +1,7 @@
-"""GradientAccumulator on real ranks (gloo, CPU): DDP and FSDP2 against a single-process reference."""
+"""GradientAccumulator on real ranks (gloo, CPU): DDP and FSDP2 against a single-process reference.
+
+Every worker of the module runs in one spawned job (:func:`runs`): one start-up of two ranks, not one per test.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from steadytrain.accumulate import GradientAccumulator
-from tests.dist_utils import load_all, save, spawn
+from tests.dist_utils import load_all, save, spawn_all
 
 pytestmark = pytest.mark.distributed
 
@@ -70,6 +73,16 @@ def reference(use_items: bool, world_size: int = 2) -> list[torch.Tensor]:
 CURRENT = {"micro": -1}
 
 
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Each test's workers, run one after another on the same two ranks; name -> its output folder."""
+    jobs = {f"ddp-{u}": (ddp_worker, u, -1) for u in (True, False)}
+    jobs["ddp-nan"] = (ddp_worker, True, 1)
+    jobs |= {f"partial-{w}": (ddp_partial_worker, w) for w in (True, False)}
+    jobs |= {f"fsdp-{p}": (fsdp_worker, p) for p in (False, True)}
+    return spawn_all(tmp_path_factory.mktemp("accumulate-ranks"), jobs)
+
+
 def counting_hook(state, bucket):
     state.append(CURRENT["micro"])
     fut = dist.all_reduce(bucket.buffer().div_(dist.get_world_size()), async_op=True).get_future()
@@ -104,10 +117,9 @@ def ddp_worker(rank, world_size, out, use_items, poison_rank):
 
 
 @pytest.mark.parametrize("use_items", [True, False])
-def test_ddp_equals_single_process_global_mean(tmp_path, use_items):
-    spawn(ddp_worker, 2, tmp_path, use_items, -1)
+def test_ddp_equals_single_process_global_mean(runs, use_items):
     ref = reference(use_items)
-    for r in load_all(tmp_path, 2):
+    for r in load_all(runs[f"ddp-{use_items}"], 2):
         for got, want in zip(r["params"], ref, strict=True):
             torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
         assert r["optimizer_steps"] == 2 and r["skipped"] == 0
@@ -117,9 +129,8 @@ def test_ddp_equals_single_process_global_mean(tmp_path, use_items):
             assert r["items_seen"] == sum(sum(sum(s) for s in c) for c in SIZES)
 
 
-def test_ddp_nan_on_one_rank_both_skip(tmp_path):
-    spawn(ddp_worker, 2, tmp_path, True, 1)
-    results = load_all(tmp_path, 2)
+def test_ddp_nan_on_one_rank_both_skip(runs):
+    results = load_all(runs["ddp-nan"], 2)
     for r in results:
         assert r["skipped"] == 1 and r["optimizer_steps"] == 1
         assert all(torch.isfinite(p).all() for p in r["params"])
@@ -147,14 +158,13 @@ def ddp_partial_worker(rank, world_size, out, use_wrapper):
 
 
 @pytest.mark.parametrize("use_wrapper", [True, False])
-def test_ddp_partial_cycle_synchronized(tmp_path, use_wrapper):
-    spawn(ddp_partial_worker, 2, tmp_path, use_wrapper)
+def test_ddp_partial_cycle_synchronized(runs, use_wrapper):
     model = make_model()
     losses = [item_loss(model, x, y) for r in range(2) for x, y in chunks(0, r)]
     torch.cat(losses).mean().backward()
     with torch.no_grad():
         ref = [p - LR * p.grad for p in model.parameters()]
-    for r in load_all(tmp_path, 2):
+    for r in load_all(runs[f"partial-{use_wrapper}"], 2):
         for got, want in zip(r["params"], ref, strict=True):
             torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
         # With the wrapper the last micro-batch of the data is the one DDP synchronizes.
@@ -203,10 +213,9 @@ def fsdp_worker(rank, world_size, out, partial=False):
 
 
 @pytest.mark.parametrize("partial", [False, True])
-def test_fsdp2_equals_single_process_global_mean(tmp_path, partial):
-    spawn(fsdp_worker, 2, tmp_path, partial)
+def test_fsdp2_equals_single_process_global_mean(runs, partial):
     ref = reference(use_items=True)
-    for r in load_all(tmp_path, 2):
+    for r in load_all(runs[f"fsdp-{partial}"], 2):
         assert r["steps"] == 2
         for got, want in zip(r["params"], ref, strict=True):
             torch.testing.assert_close(got, want, atol=1e-6, rtol=0)

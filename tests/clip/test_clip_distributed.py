@@ -1,4 +1,5 @@
-"""Global norms across real ranks (gloo, CPU): FSDP2 shards, replicated DTensors, pipeline stages."""
+"""Global norms across real ranks (gloo, CPU): FSDP2 shards, replicated DTensors, pipeline stages; the three
+workers run one after another in one spawned job (:func:`runs`)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,12 @@ import torch.distributed as dist
 from torch import nn
 
 from steadytrain.clip import clip_grad_global_norm_, clip_grad_per_param_norm_, global_grad_norm
-from tests.dist_utils import load_all, save, spawn
+from tests.dist_utils import load_all, save, spawn_all
 
 pytestmark = pytest.mark.distributed
 
 NORM_TYPES = (2.0, 1.0, math.inf)
+MAX_NORM = 0.05  # below every norm here, so that the clip is applied
 
 
 def make_model() -> nn.Module:
@@ -74,11 +76,10 @@ def fsdp_worker(rank: int, world_size: int, out, max_norm: float) -> None:
     save(out, rank, result)
 
 
-def test_fsdp2_global_norm_equals_single_process(tmp_path):
-    world_size, max_norm = 2, 0.05
-    spawn(fsdp_worker, world_size, tmp_path, max_norm)
+def test_fsdp2_global_norm_equals_single_process(runs):
+    world_size, max_norm = 2, MAX_NORM
     ref = single_process_reference(world_size, max_norm)
-    results = load_all(tmp_path, world_size)
+    results = load_all(runs["fsdp"], world_size)
     for r in results:
         for p in (*NORM_TYPES, "'inf'"):
             torch.testing.assert_close(r[f"norm{p}"], ref[f"norm{p}"], rtol=1e-5, atol=0)
@@ -104,10 +105,9 @@ def replicated_worker(rank: int, world_size: int, out) -> None:
     save(out, rank, {"replicated": global_grad_norm([replicated]), "sharded": global_grad_norm([sharded])})
 
 
-def test_replicated_dtensor_is_not_counted_twice(tmp_path):
-    spawn(replicated_worker, 2, tmp_path)
+def test_replicated_dtensor_is_not_counted_twice(runs):
     expected = torch.linalg.vector_norm(torch.arange(1.0, 13.0))
-    for r in load_all(tmp_path, 2):
+    for r in load_all(runs["replicated"], 2):
         torch.testing.assert_close(r["replicated"], expected)
         torch.testing.assert_close(r["sharded"], expected)
 
@@ -127,14 +127,21 @@ def pipeline_worker(rank: int, world_size: int, out, max_norm: float) -> None:
     save(out, rank, result)
 
 
-def test_pipeline_stages_summed_through_process_group(tmp_path):
-    world_size, max_norm = 2, 0.05
-    spawn(pipeline_worker, world_size, tmp_path, max_norm)
+def test_pipeline_stages_summed_through_process_group(runs):
+    world_size, max_norm = 2, MAX_NORM
     ref = single_process_reference(world_size, max_norm)
-    results = load_all(tmp_path, world_size)
+    results = load_all(runs["pipeline"], world_size)
     for r in results:
         for p in (*NORM_TYPES, "'inf'"):
             torch.testing.assert_close(r[f"norm{p}"], ref[f"norm{p}"], rtol=1e-5, atol=0)
         assert float(r["stage_only"]) < float(ref["norm2.0"])
         for i, g in r["clipped"].items():
             torch.testing.assert_close(g, ref["clipped"][i], rtol=1e-5, atol=1e-7)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The module's three workers, one after another on the same two ranks (one spawn, not three)."""
+    jobs = {"fsdp": (fsdp_worker, MAX_NORM), "replicated": (replicated_worker,)}
+    jobs["pipeline"] = (pipeline_worker, MAX_NORM)
+    return spawn_all(tmp_path_factory.mktemp("clip-ranks"), jobs)

@@ -16,7 +16,7 @@ from steadytrain.train.setup.config import TrainConfig
 from steadytrain.train.setup.distributed import DistInfo, mixed_precision, wrap_model
 from steadytrain.train.setup.models import TinyLM
 from steadytrain.train.setup.pieces import fsdp_policy
-from tests.dist_utils import load_all, save, spawn
+from tests.dist_utils import load_all, save, spawn_all
 
 WORLD = 2
 
@@ -68,11 +68,17 @@ def reference(param_dtype: torch.dtype) -> dict[str, torch.Tensor]:
     return total
 
 
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    """Both tests' workers (the run's bf16 policy; ``fsdp_param_dtype: fp32``) in one spawned job."""
+    jobs = {"bf16": (fsdp_worker, None), "fp32": (fsdp_worker, "fp32")}
+    return spawn_all(tmp_path_factory.mktemp("fsdp-precision"), jobs, world_size=WORLD)
+
+
 @pytest.mark.distributed
-def test_bf16_parameters_for_compute_and_fp32_gradient_reduction(tmp_path):
-    spawn(fsdp_worker, WORLD, tmp_path, None)
+def test_bf16_parameters_for_compute_and_fp32_gradient_reduction(ranks):
     want, full_precision = reference(torch.bfloat16), reference(torch.float32)
-    for r in load_all(tmp_path, WORLD):
+    for r in load_all(ranks["bf16"], WORLD):
         assert r["compute_dtype"] == torch.bfloat16  # the gathered weights the forward sees
         assert r["grad_dtypes"] == {torch.float32}  # the sharded gradient the optimizer steps on
         for name, got in r["grads"].items():
@@ -83,10 +89,9 @@ def test_bf16_parameters_for_compute_and_fp32_gradient_reduction(tmp_path):
 
 
 @pytest.mark.distributed
-def test_fsdp_param_dtype_fp32_keeps_full_precision(tmp_path):
-    spawn(fsdp_worker, WORLD, tmp_path, "fp32")
+def test_fsdp_param_dtype_fp32_keeps_full_precision(ranks):
     want = reference(torch.float32)
-    for r in load_all(tmp_path, WORLD):
+    for r in load_all(ranks["fp32"], WORLD):
         assert r["compute_dtype"] == torch.float32
         for name, got in r["grads"].items():
             torch.testing.assert_close(got, want[name], rtol=1e-5, atol=1e-6)
