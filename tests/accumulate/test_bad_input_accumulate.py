@@ -26,7 +26,7 @@ from steadytrain.clip import (
     scale_grads_,
 )
 from steadytrain.errors import UserError
-from tests.dist_utils import load_all, save, spawn
+from tests.dist_utils import load_all, save, spawn_all
 
 
 def make_model(seed: int = 0, dtype=torch.float32) -> nn.Module:
@@ -423,9 +423,8 @@ def _one_rank_negative_worker(rank, world_size, out):
 
 
 @pytest.mark.distributed
-def test_invalid_count_on_one_rank_refuses_on_every_rank(tmp_path):
-    spawn(_one_rank_negative_worker, 2, tmp_path)
-    a, b = load_all(tmp_path, 2)
+def test_invalid_count_on_one_rank_refuses_on_every_rank(ranks):
+    a, b = load_all(ranks["one-rank-negative"], 2)
     for r in (a, b):
         assert r["stepped"] == [False, True]
         (event,) = [NonFiniteEvent.from_dict(e) for e in r["events"]]
@@ -480,16 +479,22 @@ def _scaler_worker(rank, world_size, out):
 
 
 @pytest.mark.distributed
-def test_ddp_item_scale_keeps_the_exact_global_mean(tmp_path):
-    spawn(_scaler_worker, 2, tmp_path)
+def test_ddp_item_scale_keeps_the_exact_global_mean(ranks):
     ref = make_model()
     for c in range(len(SCALER_COUNTS)):
         rows = [row for r in range(2) for row in _scaler_rows(c, r)]
         big_batch_step(ref, torch.cat([b[0] for b in rows]), torch.cat([b[1] for b in rows]))
-    for r in load_all(tmp_path, 2):
+    for r in load_all(ranks["scaler"], 2):
         assert r["steps"] == 2
         for got, want in zip(r["params"], ref.parameters(), strict=True):
             torch.testing.assert_close(got, want.detach(), atol=1e-6, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> dict:
+    """The module's 2-rank workers, run by one spawn (one start-up of the ranks for both tests)."""
+    jobs = {"one-rank-negative": (_one_rank_negative_worker,), "scaler": (_scaler_worker,)}
+    return spawn_all(tmp_path_factory.mktemp("bad-input-ranks"), jobs)
 
 
 def test_invalid_count_survives_a_mid_cycle_checkpoint():

@@ -32,11 +32,12 @@ from steadytrain.data import (
 )
 from steadytrain.data.index import INDEX
 from steadytrain.errors import UserError
-from tests.cli_utils import EXE, assert_user_error
+from tests.cli_utils import assert_user_error, in_process
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([EXE, "data", *args], capture_output=True, text=True, timeout=120)
+    """``steadytrain data ARGS`` in this process (tests/data/test_data_cli.py launches the command itself)."""
+    return in_process("data", *args)
 
 
 def snapshot(path: Path) -> dict[str, bytes]:

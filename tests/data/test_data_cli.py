@@ -1,23 +1,27 @@
-"""``steadytrain data`` as a user runs it, on the seed's story: one shard from a newer pipeline."""
+"""``steadytrain data`` as a user runs it, on the seed's story: one shard from a newer pipeline.
+
+The commands run in this process (:func:`tests.cli_utils.in_process`); one test launches the installed command,
+its exit code and output as a process (tests/cli/test_cli.py launches no ``data`` command).
+"""
 
 from __future__ import annotations
 
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from steadytrain.data import DatasetWriter, open_dataset
 from steadytrain.data.provenance import majority_provenance, provenance_differences, provenance_outliers
+from tests.cli_utils import in_process, launched
 
-EXE = shutil.which("steadytrain", path=str(Path(sys.executable).parent)) or "steadytrain"
 VOCAB = ["en", "de", "fr"]
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([EXE, "data", *args], capture_output=True, text=True, timeout=120)
+    """``steadytrain data ARGS`` in this process."""
+    return in_process("data", *args)
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +58,7 @@ def test_provenance_cli(drifted):
 
 
 def test_validate_without_schema_infers_from_the_majority(drifted):
-    result = run("validate", str(drifted))
+    result = launched("data", "validate", str(drifted), timeout=120)  # the installed command, as its own process
     assert result.returncode == 1, result.stdout + result.stderr
     assert "violations in 1 shard(s): 5" in result.stdout
     assert "unexpected_category" in result.stdout and "12, 20" in result.stdout

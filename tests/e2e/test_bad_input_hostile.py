@@ -15,7 +15,6 @@ import json
 import os
 import stat
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -27,14 +26,15 @@ from steadytrain.env.build import dockerfile
 from steadytrain.env.contract import parse_version
 from steadytrain.env.lockfile import requirement_closure
 from steadytrain.errors import UserError
+from tests.cli_utils import EXE, in_process
 from tests.env.test_env_build import fake_manifest
 
-EXE = str(Path(sys.executable).with_name("steadytrain"))
 BASE = "python:3.11.7-slim-bookworm"
 
 
-def run(*args: str, cwd: Path | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([EXE, *args], capture_output=True, text=True, timeout=timeout, cwd=cwd)
+def run(*args: str) -> subprocess.CompletedProcess:
+    """``steadytrain ARGS`` in this process; a command that would hang fails its test's ``timeout`` mark."""
+    return in_process(*args)
 
 
 def assert_refused(proc: subprocess.CompletedProcess, *words: str) -> None:
@@ -56,24 +56,27 @@ def manifest(tmp_path: Path) -> Path:
 # --- special files named as an input ---------------------------------------------------------------
 
 
+@pytest.mark.timeout(30)  # a hang fails the test
 def test_fifo_without_a_writer_is_refused_not_a_hang(tmp_path, manifest):
     fifo = tmp_path / "pipe.json"
     os.mkfifo(fifo)
-    assert_refused(run("env", "diff", str(manifest), str(fifo), timeout=30), "pipe.json")
+    assert_refused(run("env", "diff", str(manifest), str(fifo)), "pipe.json")
     contract = tmp_path / "contract.yaml"
     os.mkfifo(contract)
-    assert_refused(run("env", "check", "--contract", str(contract), "--manifest", str(manifest), timeout=30))
+    assert_refused(run("env", "check", "--contract", str(contract), "--manifest", str(manifest)))
 
 
+@pytest.mark.timeout(30)  # a hang fails the test
 def test_fifo_as_the_contracts_lockfile_is_not_a_hang(tmp_path, manifest):
     os.mkfifo(tmp_path / "requirements.lock")
     (tmp_path / "contract.yaml").write_text("packages: requirements.lock\n")
-    proc = run("env", "check", "--contract", str(tmp_path / "contract.yaml"), "--manifest", str(manifest), timeout=30)
+    proc = run("env", "check", "--contract", str(tmp_path / "contract.yaml"), "--manifest", str(manifest))
     assert_refused(proc, "contract.yaml", "packages", "requirements.lock", "FIFO")
 
 
 def test_a_pipe_with_a_writer_is_still_read(tmp_path, manifest):
-    """Process substitution (``<(ssh host steadytrain env capture)``) keeps working: a live pipe is read to its end."""
+    """Process substitution (``<(ssh host steadytrain env capture)``) keeps working: a live pipe is read to its end.
+    The installed command, launched by a shell: the pipe's writer is another process."""
     proc = subprocess.run(
         ["bash", "-c", f'"{EXE}" env diff "$1" <(sleep 1; cat "$1")', "_", str(manifest)],
         capture_output=True,
@@ -84,10 +87,11 @@ def test_a_pipe_with_a_writer_is_still_read(tmp_path, manifest):
     assert "image identical; host identical" in proc.stdout
 
 
+@pytest.mark.timeout(30)  # reading a device without end fails the test
 @pytest.mark.parametrize("device", ["/dev/zero", "/dev/null", "/dev/urandom"])
 def test_a_device_is_refused_without_reading_it(device, manifest):
-    assert_refused(run("env", "diff", str(manifest), device, timeout=30), device, "not a regular file")
-    assert_refused(run("env", "check", "--contract", device, "--manifest", str(manifest), timeout=30), device)
+    assert_refused(run("env", "diff", str(manifest), device), device, "not a regular file")
+    assert_refused(run("env", "check", "--contract", device, "--manifest", str(manifest)), device)
 
 
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs procfs")
@@ -118,9 +122,10 @@ def test_output_onto_a_fifo_never_replaces_it(tmp_path, manifest):
 
 
 @pytest.mark.parametrize("name", ["", ".", "sub/..", "newdir/"])
-def test_output_name_that_is_not_a_file_name(tmp_path, manifest, name):
+def test_output_name_that_is_not_a_file_name(tmp_path, manifest, name, monkeypatch):
     (tmp_path / "sub").mkdir()
-    proc = run("env", "lock", "--manifest", str(manifest), "-o", name, cwd=tmp_path)
+    monkeypatch.chdir(tmp_path)  # the name is relative to the working directory
+    proc = run("env", "lock", "--manifest", str(manifest), "-o", name)
     assert_refused(proc, repr(name))
     assert "not a file name" in proc.stderr or "is a directory" in proc.stderr, proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.json", "sub"]

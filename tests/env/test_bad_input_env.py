@@ -25,9 +25,9 @@ from packaging.requirements import Requirement
 from steadytrain.env import Contract, ContractError, EnvManifest, ManifestError, capture, check, diff
 from steadytrain.env.build import dockerfile, image_tag, lockfile, parse_lockfile
 from steadytrain.errors import UserError
+from tests.cli_utils import in_process, launched
 from tests.env.test_env_build import COMMIT, DIGEST, fake_manifest
 
-EXE = shutil.which("steadytrain", path=str(Path(sys.executable).parent)) or "steadytrain"
 BASE = "python:3.11.7-slim-bookworm"
 # Appended to a valid value: line breaks of every kind, quotes, shell expansion, escapes, space, NUL, non-ASCII.
 HOSTILE = [
@@ -81,8 +81,9 @@ def with_field(path: str, value: object) -> dict:
     return m
 
 
-def run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([EXE, "env", *args], capture_output=True, text=True, timeout=120, cwd=cwd)
+def run(*args: str) -> subprocess.CompletedProcess:
+    """``steadytrain env ARGS`` in this process (one test below launches the command itself)."""
+    return in_process("env", *args)
 
 
 def assert_refused(result: subprocess.CompletedProcess, *words: str) -> None:
@@ -510,8 +511,9 @@ def test_cli_bad_contract_file_is_one_line(tmp_path, text, words):
 
 def test_cli_contract_that_is_a_directory(tmp_path):
     (tmp_path / "contract.yaml").mkdir()
-    result = run(
-        "check", "--contract", str(tmp_path / "contract.yaml"), "--manifest", str(save(tmp_path, fake_manifest()))
+    # The installed command as its own process: its exit code and one stderr line (tests/cli/test_cli.py runs no env).
+    result = launched(
+        "env", "check", "--contract", tmp_path / "contract.yaml", "--manifest", save(tmp_path, fake_manifest())
     )
     assert_refused(result, "contract.yaml", "directory")
 
