@@ -15,7 +15,6 @@ import random
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -30,9 +29,9 @@ from steadytrain.diagnose import read_ledger, report
 from steadytrain.diagnose.demo import LATER, NEW_VALUE, PROVENANCE, make_dataset, train_config
 from steadytrain.runs.replay import run_model
 from steadytrain.train.checkpoint.catalog import load_checkpoint
+from tests.cli_utils import EXE, in_process
 from tests.dist_utils import cli_on_ranks
 
-EXE = str(Path(sys.executable).with_name("steadytrain"))
 SHARDS = 40
 SEED = int(os.environ.get("STEADYTRAIN_TEST_SEED", "1"))
 _rng = random.Random(SEED)
@@ -56,12 +55,12 @@ def bad_rows(data: Path, shard: int) -> list[int]:
 
 
 def train(tmp: Path, data: Path, name: str, *overrides: str, code: int = 0, **cfg_kw) -> Path:
+    """``steadytrain train`` of the demo's config (``cfg_kw``) with ``overrides`` set, in this process."""
     cfg = train_config(data, **cfg_kw)
     (tmp / f"{name}.yaml").write_text(yaml.safe_dump(cfg))
     sets = [x for o in overrides for x in ("--set", o)]
     run_dir = tmp / name
-    proc = subprocess.run([EXE, "train", str(tmp / f"{name}.yaml"), "--run-dir", str(run_dir), *sets],
-                          capture_output=True, text=True, timeout=300, env=env())  # fmt: skip
+    proc = in_process("train", tmp / f"{name}.yaml", "--run-dir", run_dir, *sets)
     assert proc.returncode == code, proc.stderr[-3000:]
     return run_dir
 
@@ -114,11 +113,12 @@ def test_a_healthy_shard_hunts_clean_and_the_cli_prints_json(scenario):
     _, run = scenario
     good = (BAD + 1) % SHARDS
     assert hunt(run, good).examples == []
+    # `nan hunt` launched as a user runs it, once in the suite (tests/cli/test_cli.py does not launch it).
     proc = subprocess.run([EXE, "nan", "hunt", str(run), "--shard", str(BAD), "--json"],
                           capture_output=True, text=True, timeout=120, env=env())  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["first_module"] == "target.region"
-    proc = subprocess.run([EXE, "nan", "hunt", str(run), "--shard", "999"], capture_output=True, text=True, env=env())
+    proc = in_process("nan", "hunt", run, "--shard", "999")
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and "999" in proc.stderr
 
 
@@ -168,8 +168,7 @@ def test_a_failure_at_step_1_replays_from_the_initial_weights_never_a_later_chec
     # A later checkpoint given on purpose is used, and the note says its weights are from after the failure.
     later = hunt(run, shard, checkpoint=run / "checkpoints" / "step-00000002")
     assert later.checkpoint_step == 2 and "after step 1" in later.note
-    proc = subprocess.run([EXE, "nan", "hunt", str(run), "--shard", str(shard)],
-                          capture_output=True, text=True, timeout=120, env=env())  # fmt: skip
+    proc = in_process("nan", "hunt", run, "--shard", shard)
     assert proc.returncode == 0, proc.stderr
     assert "initial weights" in proc.stdout and "checkpoint:" not in proc.stdout
 

@@ -22,7 +22,7 @@ import pytest
 
 from steadytrain.schedule import lr_multiplier
 from tests.cli_utils import assert_user_error
-from tests.train_utils import EXE, TINY, evals, run_cli, sets, write_text_dataset
+from tests.train_utils import EXE, TINY, copy_run, evals, run_cli, sets, write_text_dataset
 
 K = 4  # micro-batches per optimizer step with TINY on one rank (global 16 / micro 4)
 BATCH = [x for x in TINY if not x.startswith("model.")]
@@ -70,6 +70,19 @@ def model_dir(tmp_path) -> Path:
     (tmp_path / "pkg").mkdir()
     (tmp_path / "pkg" / "pausemodel.py").write_text(_MODEL)
     return tmp_path / "pkg"
+
+
+@pytest.fixture(scope="module")
+def four_steps(tmp_path_factory, data) -> Path:
+    """A finished 4-step run of the pausing model (no pause) on ``data``, trained once for the module: the resume
+    tests below work on a copy (``copy_run``) with their own ``model_dir``, which holds the same model."""
+    tmp = tmp_path_factory.mktemp("four-steps")
+    (tmp / "pkg").mkdir()
+    (tmp / "pkg" / "pausemodel.py").write_text(_MODEL)
+    run = tmp / "run"
+    proc = run_cli("train", "--run-dir", str(run), *_args(data, "run.max_steps=4"), PYTHONPATH=str(tmp / "pkg"))
+    assert proc.returncode == 0, proc.stderr
+    return run
 
 
 def _args(data: Path, *items: str) -> list[str]:
@@ -223,10 +236,8 @@ def test_sigterm_to_one_rank_stops_both_after_the_same_step_with_a_checkpoint(tm
     assert [r["step"] for r in _rows(run)] == list(range(1, stopped_at + 1))
 
 
-def test_a_torn_last_metrics_line_does_not_stop_a_resume(tmp_path, model_dir, data):
-    run = tmp_path / "run"
-    first = run_cli("train", "--run-dir", str(run), *_args(data, "run.max_steps=4"), PYTHONPATH=str(model_dir))
-    assert first.returncode == 0, first.stderr
+def test_a_torn_last_metrics_line_does_not_stop_a_resume(tmp_path, model_dir, four_steps):
+    run = copy_run(four_steps, tmp_path / "run")
     with open(run / "metrics.jsonl", "a") as f:
         f.write('{"step": 5, "loss": 3.1')  # what a kill in the middle of a write leaves
     resumed = run_cli("train", "--resume", str(run), *sets("run.max_steps=6"), PYTHONPATH=str(model_dir))
@@ -234,10 +245,8 @@ def test_a_torn_last_metrics_line_does_not_stop_a_resume(tmp_path, model_dir, da
     assert [r["step"] for r in _rows(run)] == [1, 2, 3, 4, 5, 6]
 
 
-def test_resume_applies_a_new_lr_and_max_steps_from_the_resume_step_and_records_them(tmp_path, model_dir, data):
-    run = tmp_path / "run"
-    first = run_cli("train", "--run-dir", str(run), *_args(data, "run.max_steps=4"), PYTHONPATH=str(model_dir))
-    assert first.returncode == 0, first.stderr
+def test_resume_applies_a_new_lr_and_max_steps_from_the_resume_step_and_records_them(tmp_path, model_dir, four_steps):
+    run = copy_run(four_steps, tmp_path / "run")
     proc = run_cli(
         "train", "--resume", str(run), *sets("batch.base_lr=0.5", "run.max_steps=8"), PYTHONPATH=str(model_dir)
     )
@@ -273,10 +282,8 @@ def test_resume_applies_a_new_lr_and_max_steps_from_the_resume_step_and_records_
         ("run.max_steps=2", "nothing to do"),
     ],
 )
-def test_resume_refuses_what_it_cannot_honour_and_changes_nothing(tmp_path, model_dir, data, item, word):
-    run = tmp_path / "run"
-    first = run_cli("train", "--run-dir", str(run), *_args(data, "run.max_steps=3"), PYTHONPATH=str(model_dir))
-    assert first.returncode == 0, first.stderr
+def test_resume_refuses_what_it_cannot_honour_and_changes_nothing(tmp_path, model_dir, four_steps, item, word):
+    run = copy_run(four_steps, tmp_path / "run")  # at step 4: run.max_steps=2 leaves nothing to do
     before = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file() and not p.name.startswith(".")}
     proc = run_cli("train", "--resume", str(run), *sets(item), PYTHONPATH=str(model_dir))
     assert_user_error(proc, word)
@@ -403,26 +410,19 @@ def test_ctrl_c_on_nproc_stops_every_rank_with_a_checkpoint_and_no_traceback(tmp
     assert [r["step"] for r in _rows(run)] == list(range(1, int(saved[5:13]) + 1))
 
 
-def test_a_relative_data_path_is_stored_absolute_so_the_run_resumes_from_anywhere(tmp_path, data):
-    import shutil
-
+def test_a_relative_data_path_is_stored_absolute_so_the_run_resumes_from_anywhere(tmp_path, data, monkeypatch):
     work, elsewhere = tmp_path / "work", tmp_path / "elsewhere"
     work.mkdir()
     elsewhere.mkdir()
     shutil.copytree(data, work / "data")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    first = subprocess.run(
-        [EXE, "train", "--run-dir", "run", *sets(*TINY, "data.path=data", "run.max_steps=2")],
-        cwd=work, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    monkeypatch.chdir(work)
+    first = run_cli("train", "--run-dir", "run", *sets(*TINY, "data.path=data", "run.max_steps=2"))
     assert first.returncode == 0, first.stderr
     run = work / "run"
     assert json.loads((run / "plan.json").read_text())["data"] == str((work / "data").resolve())
     assert f"path: {(work / 'data').resolve()}" in (run / "config.yaml").read_text()
-    resumed = subprocess.run(
-        [EXE, "train", "--resume", str(run), *sets("run.max_steps=3")],
-        cwd=elsewhere, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    monkeypatch.chdir(elsewhere)
+    resumed = run_cli("train", "--resume", str(run), *sets("run.max_steps=3"))
     assert resumed.returncode == 0, resumed.stderr
     (record,) = [json.loads(x) for x in (run / "resumes.jsonl").read_text().splitlines()]
     assert record["changes"] == {"run.max_steps": [2, 3]}  # the data path did not "change"
