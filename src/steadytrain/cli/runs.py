@@ -136,3 +136,23 @@ def sweep(config: str | None, factors: str, steps: int, overrides: tuple[str, ..
     with _stopped_by_signal():
         result = run_sweep(cfg, chosen, steps, where)
     click.echo((where / "sweep.md").read_text() if (where / "sweep.md").exists() else result.sentence, nl=False)
+
+
+@click.command("hangs")
+@click.argument("run", type=click.Path(file_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print JSON (a list of hangs).")
+def hangs(run: str, as_json: bool) -> None:
+    """List the hangs the watchdog recorded in RUN: step, the stuck ranks, their phase, host and frame."""
+    from steadytrain.runs.hangs import read_hangs
+
+    found = read_hangs(Path(run))
+    if as_json:
+        _json(found)
+        return
+    if not found:
+        click.echo(f"{one_line(run)}: no hang recorded")
+    for h in found:
+        ranks = ", ".join(str(r) for r in h["stuck_ranks"])
+        click.echo(f"step {h['step']}: rank(s) {ranks} stuck in {h['phase']} on {one_line(str(h['host']))}")
+        click.echo(f"  at {one_line(str(h['frame']))}")
+        click.echo(f"  stacks: {one_line(h['dir'])}")

@@ -21,12 +21,13 @@ def _setup_logging() -> None:
     root.propagate = False
 
 
-def _handoff(nproc: int, argv: list[str]) -> None:
+def _handoff(nproc: int, argv: list[str], max_restarts: int | None = None) -> None:
     """``--nproc N``: run this command under torchrun on this node, in this process (never returns).
 
     A Ctrl-C reaches torchrun, which passes it to every rank: the ranks stop with a checkpoint and
     say how to resume; torchrun's own report of the signal is not printed as a traceback. The ranks
-    get this process's pid, and die with it (see :mod:`steadytrain.train.setup.launcher`).
+    get this process's pid, and die with it (see :mod:`steadytrain.train.setup.launcher`). ``max_restarts``:
+    torchrun restarts the ranks that many times after a failure, and each restart resumes (``--auto-resume``).
     """
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -38,14 +39,21 @@ def _handoff(nproc: int, argv: list[str]) -> None:
     for a in argv:
         if skip:
             skip = False
-        elif a == "--nproc":
+        elif a in ("--nproc", "--max-restarts"):
             skip = True
-        elif not a.startswith("--nproc="):
+        elif not a.startswith(("--nproc=", "--max-restarts=")):
             rest.append(a)
+    restarts = []
+    if max_restarts is not None:
+        restarts = [f"--max-restarts={max_restarts}"]
+        rest += [] if "--auto-resume" in rest else ["--auto-resume"]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # each restart's ranks meet in a store of their own: in torchrun's shared store the previous attempt's
+    # process-group keys are still there, and a restarted rank can read a dead peer's address from them
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     os.environ[LAUNCHER_PID] = str(os.getpid())  # the ranks' environment (torchrun's agent is this process)
     try:
-        torchrun(["--standalone", f"--nproc-per-node={nproc}", "-m", "steadytrain", *rest])
+        torchrun(["--standalone", f"--nproc-per-node={nproc}", *restarts, "-m", "steadytrain", *rest])
     except SignalException as err:
         raise click.exceptions.Exit(128 + int(err.sigval)) from None
     except ChildFailedError as err:  # the ranks printed why; torchrun's summary is above
@@ -75,10 +83,27 @@ def _handoff(nproc: int, argv: list[str]) -> None:
     help="Continue this run from its latest checkpoint.",
 )
 @click.option(
+    "--auto-resume",
+    is_flag=True,
+    help="Resume the run directory from its latest checkpoint if it has one, else start it (restarts, requeues).",
+)
+@click.option(
     "--nproc", type=click.IntRange(1, 1024), default=None, help="Ranks on this machine (hands off to torchrun)."
 )
+@click.option(
+    "--max-restarts",
+    type=click.IntRange(0, 1000),
+    default=None,
+    help="With --nproc: torchrun restarts failed ranks this many times; each restart resumes (--auto-resume).",
+)
 def train(
-    config: str | None, overrides: tuple[str, ...], run_dir: str | None, resume: str | None, nproc: int | None
+    config: str | None,
+    overrides: tuple[str, ...],
+    run_dir: str | None,
+    resume: str | None,
+    auto_resume: bool,
+    nproc: int | None,
+    max_restarts: int | None,
 ) -> None:
     """Train: the embedded default with no CONFIG, or CONFIG.yaml; under torchrun on every rank."""
     from pathlib import Path
@@ -90,15 +115,20 @@ def train(
 
     if resume is not None and config is not None:
         raise click.UsageError("give CONFIG or --resume RUN_DIR, not both (a resumed run uses its own config.yaml)")
+    if resume is not None and auto_resume:
+        raise click.UsageError("give --resume RUN_DIR or --auto-resume --run-dir RUN_DIR, not both")
+    if max_restarts is not None and nproc is None and "RANK" not in os.environ:
+        raise click.UsageError("--max-restarts needs --nproc N (torchrun restarts the ranks it starts)")
     from steadytrain.rundir.layout import open_run_dir
 
     source = open_run_dir(Path(resume)).config if resume is not None else config
     cfg = load_config(source, list(overrides))  # a config mistake is said before torch and the loop are imported
+    auto = auto_resume or max_restarts is not None
     if nproc is not None and "RANK" not in os.environ:
         from steadytrain.train.setup.pieces import check_before_launch
 
-        check_before_launch(cfg, run_dir=Path(run_dir) if run_dir else None, resume=resume is not None)
-        _handoff(nproc, sys.argv[1:])  # every mistake found here is said once, not once per rank
+        check_before_launch(cfg, run_dir=Path(run_dir) if run_dir else None, resume=resume is not None or auto)
+        _handoff(nproc, sys.argv[1:], max_restarts)  # every mistake found here is said once, not once per rank
     from steadytrain.runs.report import report_after_training
     from steadytrain.train.job.loop import TrainingStopped
     from steadytrain.train.job.loop import train as run_training
@@ -111,6 +141,7 @@ def train(
             run_dir=Path(run_dir) if run_dir else None,
             resume=Path(resume) if resume else None,
             report=report_after_training,
+            auto_resume=auto,
         )
     except TrainingStopped as err:
         if main:  # every rank stops for the same reason: say it once

@@ -4,7 +4,8 @@
 ``env.json`` (rank 0's manifest; ``env.ranks.json`` when ranks differ), ``data.json`` (the data's
 fingerprint and provenance), ``metrics.jsonl`` (one line
 per optimizer step), ``nonfinite.jsonl`` (one line per rank per refused step), ``exposure.json``
-(examples seen per shard), ``checkpoints/``, ``plots/`` and ``summary.md``.
+(examples seen per shard), ``checkpoints/``, ``plots/`` and ``summary.md``; ``resumes.jsonl`` and
+``restarts.jsonl`` (one line per resume, per automatic restart) and ``hangs/`` (what the hang watchdog found).
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ class RunDir:
     checkpoints = property(lambda self: self.path / "checkpoints")
     summary = property(lambda self: self.path / "summary.md")
     resumes = property(lambda self: self.path / "resumes.jsonl")
+    restarts = property(lambda self: self.path / "restarts.jsonl")
+    hangs = property(lambda self: self.path / "hangs")
     lock = property(lambda self: self.path / ".lock")
 
     def write_json(self, path: Path, data: Any) -> None:

@@ -210,6 +210,7 @@ def summary_markdown(rec: RunRecord, rep: Report, stopped: str | None) -> str:
     lines = [f"# Run {md(rec.name)}", "", f"- {md(plan_sentence(rec.plan))}", *_schedule_lines(rec)]
     lines += [f"- {x}" for x in (_stopped_line(rec, stopped, s["steps"]), _nonfinite_line(rec), _spike_line(rec)) if x]
     lines += [f"- {x}" for x in _resume_lines(rec)]
+    lines += [f"- {x}" for x in _restart_lines(rec)]
     lines += ["", "| | |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows), ""]
     lines += [f"**Environment.** {md(environment_paragraph(rec.env))}", ""]
     for name, path in rep.plots.items():
@@ -244,6 +245,18 @@ def _resume_lines(rec: RunRecord) -> list[str]:
         changed = "; ".join(f"{md(k)} {value(a)} → {value(b)}" for k, (a, b) in r.get("changes", {}).items())
         out.append(f"resumed after step {r['step']} on {r['world_size']} rank(s)" + (f": {changed}" if changed else ""))
     return out
+
+
+def _restart_lines(rec: RunRecord) -> list[str]:
+    """How many times the run restarted on its own (``--auto-resume``), the time it cost, and why."""
+    from steadytrain.runs.hangs import read_restarts
+
+    rows = read_restarts(rec.run)
+    if not rows:
+        return []
+    lost = sum(float(r.get("lost_s") or 0.0) for r in rows)
+    why = "; ".join(f"step {r['step']}: {md(shown(r.get('reason')))}" for r in rows)
+    return [f"restarted {len(rows)} time(s), {lost:.1f} s lost (`restarts.jsonl`): {why}"]
 
 
 def _schedule_lines(rec: RunRecord) -> list[str]:

@@ -22,6 +22,7 @@ from steadytrain.train.job.spikes import SpikeGuard
 from steadytrain.train.job.state import TrainState
 from steadytrain.train.job.stop import StopRequest
 from steadytrain.train.observe.metrics import MetricsLog
+from steadytrain.train.observe.watchdog import Beat, Watchdog
 from steadytrain.train.setup.config import TrainConfig
 from steadytrain.train.setup.distributed import DistInfo
 from steadytrain.train.setup.holdout import HeldOut
@@ -102,6 +103,10 @@ class Job:
     """Stop after this many optimizer steps, the schedule unchanged (``repro`` re-runs a run's first steps)."""
     step: StepScratch = field(default_factory=StepScratch)
     """The loop's scratch between micro-batches and steps."""
+    beat: Beat = field(default_factory=Beat)
+    """Where the loop is (step, phase), for the hang watchdog: attribute writes only."""
+    watchdog: Watchdog | None = None
+    """The hang watchdog's thread (``distributed.watchdog_s``), or None."""
 
     @property
     def compile_s(self) -> float | None:

@@ -33,6 +33,8 @@ def end_job(
     (no report, and a failure to part is logged, not raised over the job's own error)."""
     try:
         if job is not None:
+            if job.watchdog is not None:  # the steps are over: an evaluation or a save is no hang
+                job.watchdog.stop()
             job.stop.settle()
             job.writer.close()  # a save still in flight (the run failed) completes first
             if job.lock is not None:

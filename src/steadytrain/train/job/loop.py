@@ -28,6 +28,7 @@ from steadytrain.train.checkpoint.catalog import latest_checkpoint
 from steadytrain.train.checkpoint.writer import CheckpointFailed, CheckpointWriter
 from steadytrain.train.hf.model import hf_run_files
 from steadytrain.train.job import files as runfiles
+from steadytrain.train.job import restart
 from steadytrain.train.job.core import Interrupted, Job, TrainingStopped
 from steadytrain.train.job.ending import end_job
 from steadytrain.train.job.evaluate import Validation, evaluate, precision_context
@@ -48,6 +49,7 @@ from steadytrain.train.observe.metrics import MetricsLog, Progress
 from steadytrain.train.observe.profiling import StepProfiler
 from steadytrain.train.observe.throughput import Throughput, for_run
 from steadytrain.train.observe.trackers import start_trackers
+from steadytrain.train.observe.watchdog import Beat, start_watchdog
 from steadytrain.train.setup.config import TrainConfig
 from steadytrain.train.setup.distributed import DistInfo, init_distributed, wrap_model
 from steadytrain.train.setup.holdout import HeldOut, holdout
@@ -78,6 +80,7 @@ def train(
     resume: Path | None = None,
     stop_after: int | None = None,
     report: Callable[[str, str | None], Any] | None = None,
+    auto_resume: bool = False,
 ) -> dict[str, Any]:
     """Run the job ``cfg`` describes (or continue ``resume``); returns the summary's numbers.
 
@@ -85,12 +88,13 @@ def train(
     planned total, so the steps taken are exactly the first steps of the full run. ``report`` is called
     on rank 0 with the run directory and why it stopped (None: it finished) when the run has ended, before
     its experiment trackers close: ``steadytrain train`` draws the plots there, so they reach the trackers.
+    ``auto_resume``: resume ``run_dir`` if it has a checkpoint, else start it (:mod:`steadytrain.train.job.restart`).
     """
     info = init_distributed(cfg.distributed.backend)  # the process group: every collective below runs on it
     job, ending = None, None
     with contextlib.ExitStack() as signals:
         try:
-            job = _build(cfg, info, _Where(run_dir, resume, stop_after), signals)
+            job = _build(cfg, info, _Where(run_dir, resume, stop_after, auto_resume), signals)
             summary = _run(job)
             ending = (summary.get("stopped"), "FINISHED")
             return summary
@@ -108,6 +112,8 @@ class _Where:
     run_dir: Path | None
     resume: Path | None
     stop_after: int | None
+    auto_resume: bool = False
+    """``--auto-resume``: ``run_dir`` is resumed when it has a checkpoint (a restart, recorded as one)."""
 
 
 @dataclass
@@ -152,6 +158,10 @@ def _build(cfg: TrainConfig, info: DistInfo, where: _Where, signals: contextlib.
     """The whole job, before its first step: pieces, run directory, state, writer, a resume restored, metrics."""
     p = _pieces(cfg, info)
     manifest = runfiles.check_environment(cfg, info)  # before anything is written: a refusal leaves no run dir
+    if where.auto_resume:  # rank 0 looks at the run directory; every rank gets its decision
+        path = where.run_dir or Path(cfg.run.dir) / cfg.run.name
+        found = restart.auto_resume(info, path)
+        where = _Where(None if found else path, found, where.stop_after, True)
     run, lock, changes = runfiles.prepare(
         cfg, info, p.plan, run_dir=where.run_dir, resume=where.resume, data=data_path(cfg), held_out=p.held
     )
@@ -170,7 +180,7 @@ def _build(cfg: TrainConfig, info: DistInfo, where: _Where, signals: contextlib.
         runfiles.record_environment(info, run, manifest, resume=where.resume is not None)
         if where.resume is not None:
             parts = Restorable(p.model, p.optimizer, p.acc.scheduler, state, hyper, info, cfg.run)
-            _resume(parts, run, validation, spikes, ResumeRecord(cfg, p.plan, p.held, changes))
+            _resume(parts, run, validation, spikes, ResumeRecord(cfg, p.plan, p.held, changes), where.auto_resume)
         meter = for_run(
             info.device, info.world_size, p.plan.global_batch_size, p.plan.accumulation_steps,
             precision=cfg.precision, peak=cfg.run.peak_flops, is_main=info.is_main,
@@ -185,8 +195,9 @@ def _build(cfg: TrainConfig, info: DistInfo, where: _Where, signals: contextlib.
         state=state, writer=writer, spikes=spikes, metrics=_metrics(cfg, info, p.plan, run, state, spikes, meter),
         stop=signals.enter_context(StopRequest(info)),  # its handlers until the job has ended (end_job)
         held_out=p.held, hyper=hyper, validation=validation, lock=lock, changes=changes, compiled=p.compiled,
-        stop_after=where.stop_after,
+        stop_after=where.stop_after, beat=Beat(state.step),
     )  # fmt: skip
+    job.watchdog = start_watchdog(cfg.distributed.watchdog_s, info, run.path, job.beat)
     if spikes.decides:  # the flag is read with the gradient norm, in the step's one host read
         p.acc.veto = lambda norm: spikes.veto(job.state.step + 1, job.step.loss / job.step.micros, norm)
     return job
@@ -212,8 +223,9 @@ def _metrics(
 
 
 def _resume(
-    parts: Restorable, run: RunDir, validation: Validation | None, spikes: SpikeGuard, record: ResumeRecord
-) -> None:
+    parts: Restorable, run: RunDir, validation: Validation | None, spikes: SpikeGuard, record: ResumeRecord,
+    restarted: bool = False,
+) -> None:  # fmt: skip
     path = latest_checkpoint(run.checkpoints)
     if path is None:
         raise UserError(f"{run.path}: no checkpoint to resume from (checkpoints/ is empty)")
@@ -223,6 +235,9 @@ def _resume(
         raise UserError(f"--resume {run.path}: {ended}")  # nothing written yet: the run stays as it was
     if parts.info.is_main:
         record_owner(run)  # the first write of a resume: every check before it changed nothing
+        if restarted:  # before the logs are cut: the time lost is read from the rows past the checkpoint
+            elapsed, size = parts.state.elapsed_before, parts.info.world_size
+            restart.record_restart(run, step=step, elapsed_s=elapsed, world_size=size)
         runfiles.truncate_logs(run, step, rollbacks=spikes.rollbacks)
         runfiles.record_resume(run, record, step=step, world_size=parts.info.world_size, checkpoint=path.name)
         log.info("resumed %s at step %d from %s", run.path, step, path.name)
@@ -340,7 +355,9 @@ def _micro_batch(job: Job, mb: dict[str, Any]) -> tuple[Any, torch.Tensor]:
     tag: dict[str, Any] = {"shard": shard, "index": index, "losses": None}
     if job.spikes.collects:
         job.spikes.tags.append(tag)
+    beat = job.beat
     with job.acc.micro_batch(tag=tag) as m:
+        beat.phase = "forward"
         with autocast:
             out = job.model(batch)
         loss = check_losses(out, len(index)).float().mean()
@@ -349,10 +366,13 @@ def _micro_batch(job: Job, mb: dict[str, Any]) -> tuple[Any, torch.Tensor]:
         detached = loss.detach()
         if job.spikes.detector is not None:  # a spike's record of a model that returns a scalar loss
             tag["loss"] = detached
+        beat.phase = "backward"
         m.backward(loss)
+        beat.phase = "all_reduce"  # the end of a cycle: the gradient sync, the global norm, the update
         # before the with block ends (and the cycle with it): the accumulator's veto judges the step loss
         job.step.loss = detached if m.position == 0 else job.step.loss + detached
         job.step.micros = m.position + 1
+    beat.phase = "data"
     if m.result is None:
         return None, job.step.loss
     return m.result, job.step.loss / job.step.micros  # the step's mean loss: divided once per step
@@ -360,6 +380,7 @@ def _micro_batch(job: Job, mb: dict[str, Any]) -> tuple[Any, torch.Tensor]:
 
 def _after_step(job: Job, result: Any, loss: torch.Tensor) -> str | None:
     job.state.step += 1
+    job.beat.step, job.beat.phase = job.state.step, "all_reduce"  # the metrics' and the stop flag's collectives
     spike = not result.stepped and job.acc.nonfinite_events[-1].reason == SPIKE
     if spike and job.cfg.spike.policy == "rollback":
         outcome = rollback(job, job.acc.nonfinite_events[-1])
@@ -395,6 +416,7 @@ def _after_step(job: Job, result: Any, loss: torch.Tensor) -> str | None:
         and not job.step.ended
     ):
         _checkpoint(job)
+    job.beat.phase = "data"
     if job.step.ended:
         return job.step.ended
     if job.state.consecutive_skips >= cfg.nonfinite.max_consecutive_skips:
@@ -413,6 +435,7 @@ def _last_step(job: Job) -> int:
 def _validate(job: Job) -> bool:
     """Evaluate after this step (every rank), write its row (``val_time_s``: the pass's own time); whether a checkpoint
     must keep it as the best. Its time is set aside: the next step's ``step_s`` and ``items_per_s`` leave it out."""
+    job.beat.phase = "eval"  # progress, however long it takes
     with job.metrics.aside("eval") as spent:
         # sums over every rank's slice of the held-out set: the loss of the whole set, equal on every world size
         result = evaluate(job.model, job.validation.evalset, job.info, precision=job.cfg.precision)
@@ -431,6 +454,7 @@ def _checkpoint(job: Job) -> None:
     resume would not write again)."""
     # its time is set aside: the next step's step_s leaves it out (and that row's checkpoint_s holds it); every
     # save is made by _run, after it has started the metrics
+    job.beat.phase = "checkpoint"  # progress, however long it takes
     with job.metrics.aside("checkpoint"):
         job.metrics.flush()
         exposure = runfiles.write_exposure(job)

@@ -64,6 +64,11 @@ class DistributedConfig(Section):
     ``precision: bf16``, else fp32, no policy)."""
     fsdp_reduce_dtype: Literal["bf16", "fp32"] = "fp32"
     """FSDP2 mixed precision: the dtype gradients are reduce-scattered in (fp32: exact sums across ranks)."""
+    watchdog_s: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    """Seconds without progress on any rank before the job is called hung: every rank writes its threads' stacks
+    under ``RUN/hangs/``, the rank that is behind is named, and the ranks exit (code 75) for a restart to take
+    over. Default: 600 under torchrun (more than one rank), else off; 0 = off. A step's evaluation, checkpoint and a
+    rank's first step (compile) count as progress."""
 
 
 class NonFiniteConfig(Section):
