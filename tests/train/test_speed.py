@@ -9,8 +9,11 @@ not exist (``CXX``), in a fresh inductor cache.
 from __future__ import annotations
 
 import copy
+import json
+import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +24,7 @@ from torch import nn
 from steadytrain.errors import UserError
 from steadytrain.train.setup.models import TinyLM
 from steadytrain.train.setup.speed import apply_activation_checkpointing, compile_model, find_blocks
-from tests.cli_utils import launched
+from tests.cli_utils import ROOT
 from tests.dist_utils import cli_on_ranks
 from tests.train_utils import TINY, metrics, run_cli, sets, write_text_dataset
 
@@ -213,14 +216,50 @@ def test_compiled_training_gives_the_eager_losses_and_reports_the_compile_time(t
     assert len(losses(eager)) == 3
 
 
+NO_COMPILER = """\
+import json, sys
+import torch._dynamo
+from tests.cli_utils import in_process
+commands, out = json.loads(sys.argv[1]), sys.argv[2]
+results = []
+for argv, env in commands:
+    torch._dynamo.reset()  # each command compiles anew, as in a process of its own
+    done = in_process(*argv, **env)
+    results.append([done.returncode, done.stdout, done.stderr])
+with open(out, "w") as f:
+    json.dump(results, f)
+"""
+
+
+@pytest.fixture(scope="module")
+def no_compiler(tmp_path_factory, text_data) -> dict[bool, tuple[Path, subprocess.CompletedProcess]]:
+    """Per ``model.compile_fallback``: the run directory and the exit of a compiled run whose first compiled call
+    fails for real: inductor finds no C++ compiler (``CXX``), in a fresh cache (nothing reused).
+
+    Launched: inductor reads ``CXX`` when it is first imported, which a test process has long done. Both commands
+    run in that one launched Python (``main(argv)`` each, as :func:`~tests.cli_utils.in_process` runs it), with
+    Dynamo reset and a fresh inductor cache before each: one start-up for the two."""
+    root = tmp_path_factory.mktemp("no-compiler")
+    runs, commands = {}, []
+    for fallback in (True, False):
+        runs[fallback] = root / f"fallback-{fallback}" / "run"
+        items = [*SMALL, f"data.path={text_data}", "model.compile=true", f"model.compile_fallback={fallback}".lower()]
+        env = {"TORCHINDUCTOR_CACHE_DIR": str(root / f"fallback-{fallback}" / "inductor")}
+        commands.append([["train", "--run-dir", str(runs[fallback]), *sets(*items)], env])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CXX": str(root / "no-such-g++")}
+    argv = [sys.executable, "-c", NO_COMPILER, json.dumps(commands), str(root / "results.json")]
+    child = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    assert child.returncode == 0, child.stderr[-3000:]
+    results = json.loads((root / "results.json").read_text())
+    return {
+        fallback: (runs[fallback], subprocess.CompletedProcess(command[0], *result))
+        for fallback, command, result in zip(runs, commands, results, strict=True)
+    }
+
+
 @pytest.mark.parametrize("fallback", [True, False])
-def test_a_compiler_that_fails_falls_back_or_stops_in_one_line(tmp_path, text_data, eager, fallback):
-    # A real failure at the first compiled call: inductor finds no C++ compiler (a fresh cache: nothing reused).
-    env = {"CXX": str(tmp_path / "no-such-g++"), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
-    # Launched: inductor reads CXX when it is first imported, which a test process has long done.
-    run_dir = tmp_path / "run"
-    items = sets(*SMALL, f"data.path={text_data}", "model.compile=true", f"model.compile_fallback={fallback}".lower())
-    proc = launched("train", "--run-dir", str(run_dir), *items, **env)
+def test_a_compiler_that_fails_falls_back_or_stops_in_one_line(no_compiler, eager, fallback):
+    run_dir, proc = no_compiler[fallback]
     if fallback:
         assert proc.returncode == 0, proc.stderr[-3000:]
         warnings = [line for line in proc.stderr.splitlines() if "could not be compiled" in line]
