@@ -8,8 +8,8 @@ command once, as its one task on one node would. The script gets the environment
 Oracles: the same config under ``steadytrain train --nproc 2`` (the per-step losses of ``metrics.jsonl``,
 bit for bit: the same world size and accumulation), for a job that is killed before its first checkpoint,
 requeued, stopped by the time-limit signal with a checkpoint, requeued again and resumed; and the command
-lines srun received (the rendezvous on the first node, ``--nnodes`` from ``SLURM_NNODES``, ``--resume`` of
-the same run directory on a requeue).
+lines srun received (the rendezvous on the first node, ``--nnodes`` from ``SLURM_NNODES``, ``--auto-resume`` of
+the same run directory on every attempt), and what ``--auto-resume`` decides for each state a requeue finds.
 """
 
 from __future__ import annotations
@@ -232,7 +232,9 @@ def test_two_nodes_rendezvous_on_the_first_and_every_argument_arrives_verbatim(s
     assert proc.returncode == 0, proc.stderr
     port = 29500 + int(JOB_ID) % 10000  # the default: one port per job, so two jobs on a node do not clash
     run_dir = "runs/tiny run-4242"  # RUNS_DIR/JOBNAME-JOBID
-    assert slurm.launched() == [*_torchrun_argv(2, f"gpu-07:{port}"), str(config), "--run-dir", run_dir, *extra]
+    assert slurm.launched() == [
+        *_torchrun_argv(2, f"gpu-07:{port}"), str(config), "--run-dir", run_dir, "--auto-resume", *extra
+    ]  # fmt: skip
     assert slurm.calls("scontrol") == [["show", "hostnames", "gpu-07,gpu-08"]]
     assert not list(tmp_path.rglob("pwned"))
 
@@ -255,7 +257,7 @@ def test_cluster_variables_replace_the_defaults(slurm, tmp_path):
     argv = slurm.launched()
     assert argv[:4] == ["--kill-on-bad-exit=1", "--ntasks-per-node=1", "--cpus-per-task=16", "/opt/env/bin/torchrun"]
     assert "--rdzv-endpoint=gpu-07-ib0:31000" in argv
-    assert argv[-2:] == ["--run-dir", f"{runs}/tiny run-4242"]
+    assert argv[-3:] == ["--run-dir", f"{runs}/tiny run-4242", "--auto-resume"]
     assert slurm.calls("scontrol") == []  # a host given: no lookup
     assert slurm.calls("srun-env") == [["8", "600"]]  # 16 CPUs for 2 ranks; torchrun's wait for a stop
 
@@ -286,34 +288,47 @@ def _fake_checkpoint(run: Path, name: str) -> None:
         (2, "step-00000004", False),  # killed while the first checkpoint was being written (no state.json)
         (1, "step-00000004.pt", True),  # a checkpoint of an earlier version
         (0, "step-00000004.pt", True),  # a new job given an earlier job's run (RUN_DIR)
-        (0, "empty", False),  # ... without a checkpoint: left as it is (steadytrain says it exists)
+        (0, "empty", False),  # ... without a checkpoint: kept aside as well
     ],
 )
 def test_a_requeue_resumes_a_run_with_a_checkpoint_and_starts_again_without_one(slurm, restarts, checkpoint, resumes):
     run = slurm.cwd / "runs" / "tiny run-4242"
     if checkpoint == "empty":
         (run / "checkpoints").mkdir(parents=True)
+        (run / "config.yaml").write_text("run: {}\n")
         (run / "metrics.jsonl").write_text('{"step": 1}\n')
     elif checkpoint is not None:
         _fake_checkpoint(run, checkpoint)
     proc = slurm.run("c.yaml", "--set", "run.seed=3", restarts=restarts, **_dry())
     assert proc.returncode == 0, proc.stderr
-    tail = ["--resume", str(run.relative_to(slurm.cwd))] if resumes else ["c.yaml", "--run-dir", "runs/tiny run-4242"]
-    assert slurm.launched()[len(_torchrun_argv(1, "")) :] == [*tail, "--set", "run.seed=3"]
-    aside = run.with_name(f"tiny run-4242.restart-{restarts}")
-    if restarts and checkpoint and not resumes:  # what the attempt wrote is kept beside it; the name is free again
+    tail = ["c.yaml", "--run-dir", "runs/tiny run-4242", "--auto-resume", "--set", "run.seed=3"]
+    assert slurm.launched()[len(_torchrun_argv(1, "")) :] == tail  # every attempt runs the same command
+    # what that command then does with the directory it finds (every rank gets rank 0's decision)
+    assert _auto_resume(run) == (run if resumes else None)
+    aside = run.with_name("tiny run-4242.restart-1")
+    if checkpoint and not resumes:  # what the attempt wrote is kept beside it; the name is free again
         assert not run.exists() and (aside / "checkpoints").is_dir()
-        assert f"moved it to runs/tiny run-4242.restart-{restarts}" in proc.stdout
     else:
         assert not aside.exists() and run.is_dir() == (checkpoint is not None)
+
+
+def _auto_resume(run: Path) -> Path | None:
+    import torch
+
+    from steadytrain.train.job.restart import auto_resume
+    from steadytrain.train.setup.distributed import DistInfo
+
+    return auto_resume(DistInfo(0, 1, 0, torch.device("cpu"), None), run)
 
 
 def test_a_second_requeue_without_a_checkpoint_keeps_both_attempts(slurm):
     run = slurm.cwd / "runs" / "tiny run-4242"
     for restarts in (1, 2):
         (run / "checkpoints").mkdir(parents=True)
+        (run / "config.yaml").write_text("run: {}\n")
         proc = slurm.run("c.yaml", restarts=restarts, **_dry())
         assert proc.returncode == 0, proc.stderr
+        assert _auto_resume(run) is None
     assert sorted(p.name for p in run.parent.iterdir()) == ["tiny run-4242.restart-1", "tiny run-4242.restart-2"]
 
 
@@ -461,7 +476,7 @@ def test_killed_requeued_stopped_requeued_again_equals_one_nproc_run(slurm, tmp_
     assert _finish(job, out) != 0
     assert slurm.calls("scancel") == [["--signal=TERM", JOB_ID]]  # the steps told to stop, then the job requeued
     assert slurm.calls("scontrol")[-1] == ["requeue", JOB_ID]
-    assert slurm.launched()[-5:] == [str(config), "--run-dir", "runs/tiny run-4242", *extra]
+    assert slurm.launched()[-6:] == [str(config), "--run-dir", "runs/tiny run-4242", "--auto-resume", *extra]
     assert run.with_name("tiny run-4242.restart-1").is_dir()  # attempt 0's files, kept aside
     stopped_at = [int(p.name.split("-")[1]) for p in (run / "checkpoints").iterdir()]
     assert len(stopped_at) == 1 and 3 <= stopped_at[0] < 8, stopped_at  # the stop wrote it, past the kill point
@@ -471,8 +486,8 @@ def test_killed_requeued_stopped_requeued_again_equals_one_nproc_run(slurm, tmp_
     job = slurm.start(str(config), *extra, restarts=2, out=out, **env)
     assert _finish(job, out) == 0, out.read_text()[-3000:]
     launched = slurm.launched()
-    assert launched[:-4] == _torchrun_argv(1, f"localhost:{env['RDZV_PORT']}")
-    assert launched[-4:] == ["--resume", "runs/tiny run-4242", *extra]
+    assert launched[:-6] == _torchrun_argv(1, f"localhost:{env['RDZV_PORT']}")
+    assert launched[-6:] == [str(config), "--run-dir", "runs/tiny run-4242", "--auto-resume", *extra]
     assert len(slurm.calls("scontrol")) == 3 + 1  # a lookup per attempt and the one requeue
     resumes = [json.loads(line) for line in (run / "resumes.jsonl").read_text().splitlines()]
     assert [r["step"] for r in resumes] == stopped_at
