@@ -19,16 +19,15 @@ from typing import Any
 import torch
 
 from steadytrain._io import write_text_atomic
-from steadytrain.accumulate import GradientAccumulator, NonFiniteGradientError
+from steadytrain.accumulate import NonFiniteGradientError
 from steadytrain.accumulate.events import SPIKE
-from steadytrain.data import EvalSet, ShardedDataset
 from steadytrain.errors import UserError
 from steadytrain.rundir.layout import RunDir, record_owner
 from steadytrain.train.checkpoint.catalog import latest_checkpoint
 from steadytrain.train.checkpoint.writer import CheckpointFailed, CheckpointWriter
-from steadytrain.train.hf.model import hf_run_files
 from steadytrain.train.job import files as runfiles
 from steadytrain.train.job import restart
+from steadytrain.train.job.build import build_pieces, start_metrics
 from steadytrain.train.job.core import Interrupted, Job, TrainingStopped
 from steadytrain.train.job.ending import end_job
 from steadytrain.train.job.evaluate import Validation, evaluate, precision_context
@@ -45,28 +44,16 @@ from steadytrain.train.job.resume import hyperparameters
 from steadytrain.train.job.spikes import SpikeGuard
 from steadytrain.train.job.state import TrainState
 from steadytrain.train.job.stop import StopRequest
-from steadytrain.train.observe.metrics import MetricsLog, Progress
 from steadytrain.train.observe.profiling import StepProfiler
-from steadytrain.train.observe.throughput import Throughput, for_run
-from steadytrain.train.observe.trackers import start_trackers
+from steadytrain.train.observe.throughput import for_run
 from steadytrain.train.observe.watchdog import Beat, start_watchdog
 from steadytrain.train.setup.config import TrainConfig
-from steadytrain.train.setup.distributed import DistInfo, init_distributed, wrap_model
-from steadytrain.train.setup.holdout import HeldOut, holdout
-from steadytrain.train.setup.models import build_model, check_losses
+from steadytrain.train.setup.distributed import DistInfo, init_distributed
+from steadytrain.train.setup.models import check_losses
 from steadytrain.train.setup.pieces import (
-    RunPlan,
-    build_accumulator,
-    build_dataset,
-    build_evalset,
     build_loader,
-    build_optimizer,
     data_path,
-    fsdp_policy,
-    model_context,
-    resolve_plan,
 )
-from steadytrain.train.setup.speed import CompiledModel, speed_up
 
 __all__ = ["Interrupted", "TrainingStopped", "train"]
 
@@ -116,47 +103,9 @@ class _Where:
     """``--auto-resume``: ``run_dir`` is resumed when it has a checkpoint (a restart, recorded as one)."""
 
 
-@dataclass
-class _Pieces:
-    """What :func:`_build` has built before the run directory is claimed (nothing is written yet)."""
-
-    plan: RunPlan
-    held: HeldOut
-    ds: ShardedDataset
-    evalset: EvalSet | None
-    model: torch.nn.Module
-    compiled: CompiledModel | None
-    optimizer: torch.optim.Optimizer
-    scaler: torch.amp.GradScaler | None
-    acc: GradientAccumulator
-    hf_files: dict[str, str]
-
-
-def _pieces(cfg: TrainConfig, info: DistInfo) -> _Pieces:
-    from steadytrain.env import seed_everything
-
-    seed_everything(cfg.run.seed, cfg.run.deterministic)
-    path = data_path(cfg)
-    layout = resolve_plan(cfg, info.world_size, None)
-    held = holdout(cfg, path, layout.global_batch_size)
-    ds = build_dataset(cfg, path, info, layout.accumulation_steps, held.shards, rows=held.training_rows)
-    plan = resolve_plan(cfg, info.world_size, ds.steps_per_epoch, ds.dropped_per_epoch)
-    evalset = build_evalset(cfg, path, held.shards, info, ds, rows=held.rows)  # refused here, before any step
-    torch.manual_seed(cfg.run.seed)  # the same initial weights on every rank
-    model = build_model(cfg.model.name, cfg.model.kwargs(), context=model_context(cfg, path))
-    hf_files = hf_run_files(model, path) if info.is_main else {}  # config.json, tokenizer: `export --format hf`
-    compiled = speed_up(model, cfg.model, announce=info.is_main)  # checkpointing, then compile: before the wrap
-    # DDP broadcasts rank 0's weights when built; fully_shard keeps each rank's shard of the equal, seeded weights
-    model = wrap_model(model, info, cfg.distributed.strategy, fsdp_policy(cfg))
-    optimizer = build_optimizer(cfg, model, plan.lr, info.device)
-    scaler = torch.amp.GradScaler(info.device.type) if cfg.precision == "fp16" else None
-    acc = build_accumulator(cfg, model, optimizer, plan, scaler)
-    return _Pieces(plan, held, ds, evalset, model, compiled, optimizer, scaler, acc, hf_files)
-
-
 def _build(cfg: TrainConfig, info: DistInfo, where: _Where, signals: contextlib.ExitStack) -> Job:
     """The whole job, before its first step: pieces, run directory, state, writer, a resume restored, metrics."""
-    p = _pieces(cfg, info)
+    p = build_pieces(cfg, info)
     manifest = runfiles.check_environment(cfg, info)  # before anything is written: a refusal leaves no run dir
     if where.auto_resume:  # rank 0 looks at the run directory; every rank gets its decision
         path = where.run_dir or Path(cfg.run.dir) / cfg.run.name
@@ -192,7 +141,7 @@ def _build(cfg: TrainConfig, info: DistInfo, where: _Where, signals: contextlib.
         raise
     job = Job(
         cfg, info, p.plan, run, p.model, p.optimizer, p.acc, p.ds, p.scaler, loader=loader,
-        state=state, writer=writer, spikes=spikes, metrics=_metrics(cfg, info, p.plan, run, state, spikes, meter),
+        state=state, writer=writer, spikes=spikes, metrics=start_metrics(cfg, info, p.plan, run, state, spikes, meter),
         stop=signals.enter_context(StopRequest(info)),  # its handlers until the job has ended (end_job)
         held_out=p.held, hyper=hyper, validation=validation, lock=lock, changes=changes, compiled=p.compiled,
         stop_after=where.stop_after, beat=Beat(state.step),
@@ -201,25 +150,6 @@ def _build(cfg: TrainConfig, info: DistInfo, where: _Where, signals: contextlib.
     if spikes.decides:  # the flag is read with the gradient norm, in the step's one host read
         p.acc.veto = lambda norm: spikes.veto(job.state.step + 1, job.step.loss / job.step.micros, norm)
     return job
-
-
-def _metrics(
-    cfg: TrainConfig, info: DistInfo, plan: RunPlan, run: RunDir, state: TrainState, spikes: SpikeGuard,
-    meter: Throughput,
-) -> MetricsLog:  # fmt: skip
-    """The run's metrics, from the step it starts at (its trackers started there)."""
-    return MetricsLog(
-        run,
-        info,
-        items_per_step=plan.global_batch_size,
-        max_grad_norm=cfg.clip.max_grad_norm,
-        total_steps=plan.total_steps,
-        elapsed_before=state.elapsed_before,
-        progress=Progress(plan.total_steps, state.step) if info.is_main else None,
-        spikes=spikes if spikes.collects else None,
-        throughput=meter,
-        trackers=start_trackers(run, cfg, info, step=state.step),
-    )
 
 
 def _resume(

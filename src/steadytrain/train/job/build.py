@@ -1,0 +1,96 @@
+"""What a training job is built from before its run directory is claimed, and the metrics it starts with.
+
+Split from :mod:`steadytrain.train.job.loop` (which calls both) so the loop stays readable: the pieces
+(plan, data, model, optimizer, accumulator), built the same way on every rank, and the run's metrics log.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from steadytrain.accumulate import GradientAccumulator
+from steadytrain.data import EvalSet, ShardedDataset
+from steadytrain.rundir.layout import RunDir
+from steadytrain.train.hf.model import hf_run_files
+from steadytrain.train.job.spikes import SpikeGuard
+from steadytrain.train.job.state import TrainState
+from steadytrain.train.observe.metrics import MetricsLog, Progress
+from steadytrain.train.observe.throughput import Throughput
+from steadytrain.train.observe.trackers import start_trackers
+from steadytrain.train.setup.config import TrainConfig
+from steadytrain.train.setup.distributed import DistInfo, wrap_model
+from steadytrain.train.setup.holdout import HeldOut, holdout
+from steadytrain.train.setup.models import build_model
+from steadytrain.train.setup.pieces import (
+    RunPlan,
+    build_accumulator,
+    build_dataset,
+    build_evalset,
+    build_optimizer,
+    data_path,
+    fsdp_policy,
+    model_context,
+    resolve_plan,
+)
+from steadytrain.train.setup.speed import CompiledModel, speed_up
+
+__all__ = ["Pieces", "build_pieces", "start_metrics"]
+
+
+@dataclass
+class Pieces:
+    """What the job builds before its run directory is claimed (nothing is written yet)."""
+
+    plan: RunPlan
+    held: HeldOut
+    ds: ShardedDataset
+    evalset: EvalSet | None
+    model: torch.nn.Module
+    compiled: CompiledModel | None
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler | None
+    acc: GradientAccumulator
+    hf_files: dict[str, str]
+
+
+def build_pieces(cfg: TrainConfig, info: DistInfo) -> Pieces:
+    from steadytrain.env import seed_everything
+
+    seed_everything(cfg.run.seed, cfg.run.deterministic)
+    path = data_path(cfg)
+    layout = resolve_plan(cfg, info.world_size, None)
+    held = holdout(cfg, path, layout.global_batch_size)
+    ds = build_dataset(cfg, path, info, layout.accumulation_steps, held.shards, rows=held.training_rows)
+    plan = resolve_plan(cfg, info.world_size, ds.steps_per_epoch, ds.dropped_per_epoch)
+    evalset = build_evalset(cfg, path, held.shards, info, ds, rows=held.rows)  # refused here, before any step
+    torch.manual_seed(cfg.run.seed)  # the same initial weights on every rank
+    model = build_model(cfg.model.name, cfg.model.kwargs(), context=model_context(cfg, path))
+    hf_files = hf_run_files(model, path) if info.is_main else {}  # config.json, tokenizer: `export --format hf`
+    compiled = speed_up(model, cfg.model, announce=info.is_main)  # checkpointing, then compile: before the wrap
+    # DDP broadcasts rank 0's weights when built; fully_shard keeps each rank's shard of the equal, seeded weights
+    model = wrap_model(model, info, cfg.distributed.strategy, fsdp_policy(cfg))
+    optimizer = build_optimizer(cfg, model, plan.lr, info.device)
+    scaler = torch.amp.GradScaler(info.device.type) if cfg.precision == "fp16" else None
+    acc = build_accumulator(cfg, model, optimizer, plan, scaler)
+    return Pieces(plan, held, ds, evalset, model, compiled, optimizer, scaler, acc, hf_files)
+
+
+def start_metrics(
+    cfg: TrainConfig, info: DistInfo, plan: RunPlan, run: RunDir, state: TrainState, spikes: SpikeGuard,
+    meter: Throughput,
+) -> MetricsLog:  # fmt: skip
+    """The run's metrics, from the step it starts at (its trackers started there)."""
+    return MetricsLog(
+        run,
+        info,
+        items_per_step=plan.global_batch_size,
+        max_grad_norm=cfg.clip.max_grad_norm,
+        total_steps=plan.total_steps,
+        elapsed_before=state.elapsed_before,
+        progress=Progress(plan.total_steps, state.step) if info.is_main else None,
+        spikes=spikes if spikes.collects else None,
+        throughput=meter,
+        trackers=start_trackers(run, cfg, info, step=state.step),
+    )
