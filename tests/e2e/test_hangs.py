@@ -139,3 +139,33 @@ def test_hangs_on_a_run_without_hangs_and_on_bad_records(tmp_path, tiny_run):
     assert proc.returncode == 2 and "not a hang record" in proc.stderr and "Traceback" not in proc.stderr
     proc = in_process("hangs", str(tmp_path / "nowhere"))
     assert proc.returncode == 2 and "no such run directory" in proc.stderr
+
+
+def _configs_worker(rank: int, world_size: int, out: Path) -> None:
+    import torch
+
+    from steadytrain.errors import UserError
+    from steadytrain.train.setup.distributed import DistInfo, same_everywhere
+    from tests.dist_utils import save
+
+    info = DistInfo(rank, world_size, rank, torch.device("cpu"), "gloo")
+    same = {"batch": {"base_lr": 0.01, "micro_batch_size": 4}, "run": {"seed": 0}}
+    same_everywhere(info, same)  # equal everywhere: nothing said
+    other = {"batch": {"base_lr": 0.01 * (rank + 1), "micro_batch_size": 4}, "run": {"seed": 0}}
+    try:
+        same_everywhere(info, other)
+        error = None
+    except UserError as err:
+        error = str(err)
+    save(out, rank, error)
+
+
+@pytest.mark.distributed
+def test_two_agents_with_different_configs_are_refused_on_every_rank(tmp_path):
+    from tests.dist_utils import load_all, spawn
+
+    spawn(_configs_worker, 2, tmp_path)
+    errors = load_all(tmp_path, 2)
+    assert all(e is not None and "\n" not in e for e in errors)
+    assert "rank 1 runs another config than rank 0" in errors[0] and "batch.base_lr=0.02" in errors[0]
+    assert "rank 0 runs another config than rank 1" in errors[1] and "batch.base_lr=0.01" in errors[1]

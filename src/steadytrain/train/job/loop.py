@@ -48,7 +48,7 @@ from steadytrain.train.observe.profiling import StepProfiler
 from steadytrain.train.observe.throughput import for_run
 from steadytrain.train.observe.watchdog import Beat, start_watchdog
 from steadytrain.train.setup.config import TrainConfig
-from steadytrain.train.setup.distributed import DistInfo, init_distributed
+from steadytrain.train.setup.distributed import DistInfo, init_distributed, same_everywhere
 from steadytrain.train.setup.models import check_losses
 from steadytrain.train.setup.pieces import (
     build_loader,
@@ -105,6 +105,7 @@ class _Where:
 
 def _build(cfg: TrainConfig, info: DistInfo, where: _Where, signals: contextlib.ExitStack) -> Job:
     """The whole job, before its first step: pieces, run directory, state, writer, a resume restored, metrics."""
+    same_everywhere(info, cfg.to_dict())  # before anything is built from it: one gather, at start
     p = build_pieces(cfg, info)
     manifest = runfiles.check_environment(cfg, info)  # before anything is written: a refusal leaves no run dir
     if where.auto_resume:  # rank 0 looks at the run directory; every rank gets its decision

@@ -19,7 +19,16 @@ from torch import nn
 from steadytrain.errors import UserError
 from steadytrain.train.setup.launcher import die_with_launcher
 
-__all__ = ["DistInfo", "agree", "from_main", "init_distributed", "mixed_precision", "teardown", "wrap_model"]
+__all__ = [
+    "DistInfo",
+    "agree",
+    "from_main",
+    "init_distributed",
+    "mixed_precision",
+    "same_everywhere",
+    "teardown",
+    "wrap_model",
+]
 
 
 @dataclass(frozen=True)
@@ -159,3 +168,31 @@ def agree(info: DistInfo, error: str | None, where: str = "at start") -> None:
             error = f"another rank failed {where} (its log says why)"
     if error is not None:
         raise UserError(error)
+
+
+def same_everywhere(info: DistInfo, settings: dict[str, Any], what: str = "config") -> None:
+    """Refuse, on every rank, settings that differ between ranks (two agents started with different configs
+    would train replicas that silently drift apart): one gather of the flat ``settings`` at start."""
+    if info.backend is None:
+        return
+    mine = _flat(settings)
+    every: list[Any] = [None] * info.world_size
+    dist.all_gather_object(every, mine)  # once, at start: every rank's settings, compared on every rank
+    error = None
+    for rank, theirs in enumerate(every):
+        keys = sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))
+        if keys:
+            shown = ", ".join(f"{k}={theirs.get(k, '(none)')}" for k in keys[:3])
+            error = (
+                f"rank {rank} runs another {what} than rank {info.rank} ({shown}{', ...' if len(keys) > 3 else ''}): "
+                f"start every rank (every node's torchrun) with the same {what} and --set values"
+            )
+            break
+    if error is not None:
+        raise UserError(error)
+
+
+def _flat(value: Any, prefix: str = "") -> dict[str, str]:
+    if isinstance(value, dict):
+        return {k: v for key, item in value.items() for k, v in _flat(item, f"{prefix}{key}.").items()}
+    return {prefix.rstrip("."): repr(value)}
