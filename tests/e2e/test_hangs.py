@@ -27,8 +27,8 @@ import torch.nn.functional as F
 
 
 class Bigram(torch.nn.Module):
-    """A bigram LM; on rank 1 its forward number SLEEP_AT sleeps SLEEP_S (once per SLEEP_MARKER, when set), and
-    with SLEEP_EVERY_S every forward of rank 1 sleeps that long."""
+    """A bigram LM; on rank 1 its forward number SLEEP_AT sleeps SLEEP_S (once per SLEEP_MARKER, when set), its
+    forward number CRASH_AT ends the process (exit 3), and with SLEEP_EVERY_S every forward sleeps that long."""
 
     def __init__(self, dim=16, **_):
         super().__init__()
@@ -42,6 +42,8 @@ class Bigram(torch.nn.Module):
         if rank1 and marker and self.calls == int(os.environ["SLEEP_AT"]) and not Path(marker).exists():
             Path(marker).write_text("slept")
             time.sleep(float(os.environ["SLEEP_S"]))  # SLEEPING LINE
+        if rank1 and os.environ.get("CRASH_AT") and self.calls == int(os.environ["CRASH_AT"]):
+            os._exit(3)  # a faulty node, every attempt
         if rank1 and os.environ.get("SLEEP_EVERY_S"):
             time.sleep(float(os.environ["SLEEP_EVERY_S"]))
         tokens = batch["tokens"].long()
@@ -169,3 +171,19 @@ def test_two_agents_with_different_configs_are_refused_on_every_rank(tmp_path):
     assert all(e is not None and "\n" not in e for e in errors)
     assert "rank 1 runs another config than rank 0" in errors[0] and "batch.base_lr=0.02" in errors[0]
     assert "rank 0 runs another config than rank 1" in errors[1] and "batch.base_lr=0.01" in errors[1]
+
+
+@pytest.mark.distributed
+def test_a_restart_storm_stops_after_max_restarts_and_keeps_every_attempt(sleepy, tmp_path):
+    pkg, data = sleepy
+    run = tmp_path / "run"
+    proc = launched(
+        "train", "--nproc", "2", "--max-restarts", "1", "--run-dir", run, *sets(*ITEMS, f"data.path={data}"),
+        timeout=240, PYTHONPATH=str(pkg), CRASH_AT="1",
+    )  # fmt: skip
+    assert proc.returncode == 3, proc.stderr[-3000:]  # the failing rank's own exit code
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "failed again after 1 restart(s) (--max-restarts 1)" in last, proc.stderr[-3000:]
+    # each attempt died before its first checkpoint: the first one's files are kept aside, never overwritten
+    assert (run.with_name("run.restart-1") / "config.yaml").is_file() and (run / "config.yaml").is_file()
+    assert not run.with_name("run.restart-2").exists()

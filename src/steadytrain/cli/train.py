@@ -58,6 +58,12 @@ def _handoff(nproc: int, argv: list[str], max_restarts: int | None = None) -> No
         raise click.exceptions.Exit(128 + int(err.sigval)) from None
     except ChildFailedError as err:  # the ranks printed why; torchrun's summary is above
         _, failure = err.get_first_failure()
+        if max_restarts:
+            click.echo(
+                f"the ranks failed again after {max_restarts} restart(s) (--max-restarts {max_restarts}): see the "
+                "first failure above; the run directory keeps its latest complete checkpoint for --auto-resume",
+                err=True,
+            )
         raise click.exceptions.Exit(failure.exitcode if 0 < failure.exitcode < 256 else 1) from None
     finally:
         os.environ.pop(LAUNCHER_PID, None)
