@@ -117,3 +117,44 @@ def save(out_dir: Path, rank: int, obj) -> None:
 
 def load_all(out_dir: Path, world_size: int) -> list:
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
+
+
+def _train_entry(rank: int, world_size: int, tmp: str, runs: list[tuple[str, str]], ports: list[int]) -> None:
+    import traceback
+
+    from steadytrain.train.job.loop import train
+    from steadytrain.train.setup.config import load_config
+    from tests.cli_utils import isolated
+
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    for i, ((config, run_dir), port) in enumerate(zip(runs, ports, strict=True)):
+        rank_env = {
+            "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0", "WORLD_SIZE": str(world_size),
+            "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+            "TORCHELASTIC_RUN_ID": f"train-{i}",
+        }  # fmt: skip
+        error = None
+        with isolated(rank_env):
+            try:
+                train(load_config(config), run_dir=Path(run_dir))
+            except Exception:
+                error = traceback.format_exc()
+        (Path(tmp) / f"train-{i}-rank{rank}.json").write_text(json.dumps({"error": error}))
+
+
+def train_on_ranks(tmp_path: Path, runs: list[tuple[Path, Path]], world_size: int = 2) -> list[list[str | None]]:
+    """Train each ``(config, run_dir)`` of ``runs`` on the same ``world_size`` spawned ranks, in order, each rank
+    calling :func:`steadytrain.train.job.loop.train` with the environment torchrun gives a rank: the job that
+    ``steadytrain train CONFIG --run-dir RUN_DIR`` runs on each rank, without the command's report at its end
+    (plots and the full ``summary.md``, which rank 0 draws while the other ranks wait), for tests that read the
+    run's own records. ``result[i][rank]``: None, or the traceback run ``i`` raised on that rank."""
+    out = tmp_path / "train-ranks"
+    out.mkdir(parents=True, exist_ok=True)
+    runs = [(str(config), str(run_dir)) for config, run_dir in runs]
+    ports = [_free_port() for _ in runs]
+    mp.spawn(_train_entry, args=(world_size, str(out), runs, ports), nprocs=world_size, join=True)
+    return [
+        [json.loads((out / f"train-{i}-rank{r}.json").read_text())["error"] for r in range(world_size)]
+        for i in range(len(runs))
+    ]

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import random
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -24,7 +23,7 @@ from steadytrain.runs.replay import run_model
 from steadytrain.train.checkpoint.catalog import latest_checkpoint, load_checkpoint
 from steadytrain.train.job.loop import train
 from steadytrain.train.setup.config import load_config
-from tests.dist_utils import cli_on_ranks
+from tests.dist_utils import train_on_ranks
 from tests.train_utils import TINY, metrics, run_cli, sets, write_text_dataset
 
 pytestmark = pytest.mark.distributed  # several tests read runs trained on 2 gloo ranks
@@ -33,6 +32,16 @@ STEPS, POSITION, SHARDS = 60, 80, 160
 SPIKE_STEP = POSITION // 2 + 1  # two shards per global batch
 BAD = bad_shard_at(POSITION, SHARDS)
 ROWS = sorted(random.Random(7).sample(range(32), 20))  # the planted rows, in cents
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """The runs this process trains (``train()``) on one torch thread, as a launched run under ``OMP_NUM_THREADS=1``:
+    two pytest workers share two cores, and torch's default of a thread per core oversubscribes them."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -45,40 +54,39 @@ def data(tmp_path_factory):
     }
 
 
-def _config(tmp: Path, name: str, data: Path, **spike) -> Path:
-    cfg = train_config(data, steps=STEPS, policy=spike.pop("policy", "warn"))
+def _config(tmp: Path, name: str, data: Path, steps: int = STEPS, **spike) -> Path:
+    cfg = train_config(data, steps=steps, policy=spike.pop("policy", "warn"))
     cfg["spike"].update(spike)
     (tmp / f"{name}.yaml").write_text(yaml.safe_dump(cfg))
     return tmp / f"{name}.yaml"
 
 
-# The runs trained on 2 ranks: name -> (data set, spike.policy).
+# The runs trained on 2 ranks: name -> (data set, spike.policy, steps). The skipped step and its NaN reference end
+# 4 steps after the spike: the parameters and optimizer state of the step whose update is zero shape all 4.
 TWO_RANKS = {
-    "warn": ("cents", "warn"),
-    "skip": ("cents", "skip"),
-    "nan": ("nan", "off"),
-    "rollback": ("cents", "rollback"),
+    "warn": ("cents", "warn", STEPS),
+    "skip": ("cents", "skip", SPIKE_STEP + 4),
+    "nan": ("nan", "off", SPIKE_STEP + 4),
+    "rollback": ("cents", "rollback", STEPS),
 }
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory, data) -> dict[str, tuple[Path, list[subprocess.CompletedProcess]]]:
-    """Per name in :data:`TWO_RANKS`: the run directory and each rank's exit, all trained on one spawn of 2 ranks
-    (each rank runs ``main(argv)`` as under torchrun)."""
+def two_ranks(tmp_path_factory, data) -> dict[str, tuple[Path, list[str | None]]]:
+    """Per name in :data:`TWO_RANKS`: the run directory and each rank's error (None: the run finished), all trained
+    on one spawn of 2 ranks (each rank runs the job ``steadytrain train`` runs under torchrun; the command's plots
+    are no part of these tests)."""
     root = tmp_path_factory.mktemp("spike-runs")
     runs = {name: root / name for name in TWO_RANKS}
-    commands = [
-        ["train", _config(root, name, data[d], policy=policy), "--run-dir", runs[name]]
-        for name, (d, policy) in TWO_RANKS.items()
-    ]
-    results = cli_on_ranks(root, commands)
-    return {name: (runs[name], procs) for name, procs in zip(runs, results, strict=True)}
+    jobs = [(_config(root, name, data[d], steps, policy=p), runs[name]) for name, (d, p, steps) in TWO_RANKS.items()]
+    results = train_on_ranks(root, jobs)
+    return {name: (runs[name], errors) for name, errors in zip(runs, results, strict=True)}
 
 
 def _trained(two_ranks: dict, name: str) -> Path:
-    run, procs = two_ranks[name]
-    for proc in procs:
-        assert proc.returncode == 0, proc.stderr[-3000:]
+    run, errors = two_ranks[name]
+    for error in errors:
+        assert error is None, error[-3000:]
     return run
 
 
@@ -114,16 +122,16 @@ def test_skip_leaves_the_parameters_of_a_step_whose_update_is_zero(two_ranks):
     assert rows[SPIKE_STEP]["skipped"] and rows[SPIKE_STEP]["spike"]
     assert {r["rank"]: r["action"] for r in _spikes(skipped)} == {0: "skip", 1: "skip"}
     assert [r["step"] for r in metrics(reference) if r["skipped"]] == [SPIKE_STEP]
-    a = load_checkpoint(latest_checkpoint(skipped / "checkpoints"))["model"]
-    b = load_checkpoint(latest_checkpoint(reference / "checkpoints"))["model"]
+    last = [latest_checkpoint(run / "checkpoints") for run in (skipped, reference)]
+    assert [p.name for p in last] == [f"step-{SPIKE_STEP + 4:08d}"] * 2  # the runs' ends, 4 steps after the skip
+    a, b = (load_checkpoint(p)["model"] for p in last)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_rollback_goes_back_skips_the_recorded_batch_and_ends_like_a_run_without_the_shard(tmp_path, data, two_ranks):
     run = _trained(two_ranks, "rollback")
-    clean = tmp_path / "clean"  # one rank, in this process
-    proc = run_cli("train", str(_config(tmp_path, "clean", data["clean"], policy="off")), "--run-dir", str(clean))
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    clean = tmp_path / "clean"  # one rank, in this process (a run that fails raises)
+    train(load_config(_config(tmp_path, "clean", data["clean"], policy="off")), run_dir=clean)
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     back = [r for r in lines if "rollback_to" in r]
     (record,) = [r for r in _spikes(run) if r["rank"] == 0]
@@ -255,17 +263,17 @@ def test_two_spikes_at_one_step_number_count_twice(tmp_path):
 
 
 def test_no_spike_on_clean_runs_with_warmup(tmp_path, data):
-    """The default thresholds on clean 300-step runs with LR warmup: a regression and a small byte-level LM."""
-    cfg = train_config(make_dataset(tmp_path / "reg", shards=640), steps=300, policy="warn")
+    """The default thresholds on clean 300-step runs with LR warmup: a regression and a small byte-level LM (each in
+    this process: a run that fails raises)."""
+    # one global batch per shard (the demo's batch of 64 rows, as two shards of 32 make it): 20 batches to spare
+    cfg = train_config(make_dataset(tmp_path / "reg", shards=320, rows=BATCH), steps=300, policy="warn")
     cfg["spike"] = {"policy": "warn"}  # the defaults
     cfg["batch"]["warmup_steps"] = 30
     (tmp_path / "reg.yaml").write_text(yaml.safe_dump(cfg))
-    proc = run_cli("train", str(tmp_path / "reg.yaml"), "--run-dir", str(tmp_path / "reg-run"))
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    train(load_config(tmp_path / "reg.yaml"), run_dir=tmp_path / "reg-run")
     text = write_text_dataset(tmp_path / "text", [400] * 16)
     lm = ["data.path=" + str(text), "run.max_steps=300", "batch.warmup_steps=30", "run.log_every=50", *TINY]
-    proc = run_cli("train", "--run-dir", str(tmp_path / "lm-run"), *sets(*lm), timeout=600)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    train(load_config(None, lm), run_dir=tmp_path / "lm-run")
     for run in ("reg-run", "lm-run"):
         assert len(metrics(tmp_path / run)) == 300
         assert not (tmp_path / run / SPIKES).exists() and not any(r.get("spike") for r in metrics(tmp_path / run))
