@@ -47,6 +47,20 @@ def pytest_collection_finish(session):
 
 
 @pytest.fixture(autouse=True)
+def _one_torch_thread():
+    """Every test runs torch on one thread, as a launched command does under ``OMP_NUM_THREADS=1``: the suite runs
+    one test per core (``-n 2``), and two threads each would oversubscribe them (a spawned rank sets its own)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
 def _fresh_user_modules():
     """Every test's user-model modules are forgotten after it: the next test may write others under the same name."""
     with forget_user_modules():

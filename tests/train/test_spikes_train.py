@@ -34,16 +34,6 @@ BAD = bad_shard_at(POSITION, SHARDS)
 ROWS = sorted(random.Random(7).sample(range(32), 20))  # the planted rows, in cents
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """The runs this process trains (``train()``) on one torch thread, as a launched run under ``OMP_NUM_THREADS=1``:
-    two pytest workers share two cores, and torch's default of a thread per core oversubscribes them."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     root = tmp_path_factory.mktemp("spike-data")
