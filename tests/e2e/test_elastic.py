@@ -163,7 +163,9 @@ def test_a_node_killed_mid_run_the_survivor_finishes_alone_with_every_step_once(
 
     _same_run(run, job["ref"])
     (restart,) = [json.loads(x) for x in (run / "restarts.jsonl").read_text().splitlines()]
-    assert restart["step"] == 4 and (restart["world_size_before"], restart["world_size_after"]) == (2, 1)
+    # the latest complete checkpoint: step 4's, or step 2's when the asynchronous save of step 4 was still
+    # being written at the kill (a busy machine); either way every step after it is trained again
+    assert restart["step"] in (2, 4) and (restart["world_size_before"], restart["world_size_after"]) == (2, 1)
     assert "lost" in restart["reason"] and restart["lost_s"] > 0
     (resume,) = [json.loads(x) for x in (run / "resumes.jsonl").read_text().splitlines()]
     assert resume["world_size"] == 1 and resume["changes"] == {}

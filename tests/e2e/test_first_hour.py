@@ -83,6 +83,7 @@ BAD = {
     "compare": ["compare", "{missing}", "{missing}", "--json"],
     "repro": ["repro", "{missing}", "--json"],
     "plan": ["plan", "--micro-batch-size", "0", "--json"],
+    "hangs": ["hangs", "{missing}", "--json"],
 }
 """A bad input to each ``--json`` command: a run directory that does not exist (plan: a zero batch)."""
 

@@ -26,8 +26,6 @@ from steadytrain.train.setup.config import load_config
 from tests.dist_utils import train_on_ranks
 from tests.train_utils import TINY, metrics, run_cli, sets, write_text_dataset
 
-pytestmark = pytest.mark.distributed  # several tests read runs trained on 2 gloo ranks
-
 STEPS, POSITION, SHARDS = 60, 80, 160
 SPIKE_STEP = POSITION // 2 + 1  # two shards per global batch
 BAD = bad_shard_at(POSITION, SHARDS)
@@ -84,6 +82,7 @@ def _spikes(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / SPIKES).read_text().splitlines()]
 
 
+@pytest.mark.distributed  # reads runs trained on 2 gloo ranks
 def test_warn_detects_the_spike_on_both_ranks_and_traces_it_to_the_planted_rows(two_ranks):
     run = _trained(two_ranks, "warn")
     records = _spikes(run)
@@ -105,6 +104,7 @@ def test_warn_detects_the_spike_on_both_ranks_and_traces_it_to_the_planted_rows(
     assert proc.returncode == 0 and json.loads(proc.stdout)["suspect_shards"] == [BAD]
 
 
+@pytest.mark.distributed  # reads runs trained on 2 gloo ranks
 def test_skip_leaves_the_parameters_of_a_step_whose_update_is_zero(two_ranks):
     skipped = _trained(two_ranks, "skip")
     reference = _trained(two_ranks, "nan")  # NaN rows (spike.policy=off): the non-finite skip
@@ -118,6 +118,7 @@ def test_skip_leaves_the_parameters_of_a_step_whose_update_is_zero(two_ranks):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.distributed  # reads runs trained on 2 gloo ranks
 def test_rollback_goes_back_skips_the_recorded_batch_and_ends_like_a_run_without_the_shard(tmp_path, data, two_ranks):
     run = _trained(two_ranks, "rollback")
     clean = tmp_path / "clean"  # one rank, in this process (a run that fails raises)
