@@ -72,3 +72,23 @@ def test_bad_values_one_line_exit_2(args, words):
 def test_help_and_version():
     assert run("--help").returncode == 0
     assert "steadytrain" in run("--version").stdout
+
+
+RUN_COMMANDS = [
+    ["report"], ["compare", "{missing}"], ["repro"], ["nan", "report"], ["nan", "hunt", "--shard", "0"],
+    ["spikes", "report"], ["spikes", "hunt", "--shard", "0"], ["eval"], ["export", "--out", "{out}"], ["hangs"],
+]  # fmt: skip
+"""The commands that read a run directory: most tests run them in-process; here each is launched once."""
+
+
+def test_every_run_command_launched_on_a_missing_run_is_one_line_and_exit_2(tmp_path):
+    """The installed command's own exit code and stderr for each command that reads a run (one process each: a
+    user error says one line, no traceback)."""
+    missing = str(tmp_path / "no-such-run")
+    fill = {"{missing}": missing, "{out}": str(tmp_path / "model.safetensors")}
+    for command in RUN_COMMANDS:
+        argv = [fill.get(a, a) for a in command] + [missing]
+        result = run(*argv)
+        assert result.returncode == 2, (command, result.stderr)
+        assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+        assert "no-such-run" in result.stderr, (command, result.stderr)

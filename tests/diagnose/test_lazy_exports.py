@@ -4,6 +4,7 @@ whichever is imported first. Each case runs in a fresh interpreter, where ``sys.
 
 from __future__ import annotations
 
+import functools
 import subprocess
 import sys
 
@@ -26,11 +27,12 @@ print(sorted(n for n in pkg.__all__ if ns[n] is not values[n]), sorted(set(pkg._
 """
 
 
-def _probe(name: str, submodules_first: bool) -> list[str]:
+@functools.cache  # one fresh interpreter per case: two tests read the same probe's lines
+def _probe(name: str, submodules_first: bool) -> tuple[str, ...]:
     code = PROBE.format(name=name, submodules_first=submodules_first)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    return proc.stdout.splitlines()
+    return tuple(proc.stdout.splitlines())
 
 
 @pytest.mark.parametrize("name", PACKAGES)

@@ -27,7 +27,7 @@ from steadytrain.diagnose.ledger import event_record
 from steadytrain.errors import UserError
 from steadytrain.runs import load_run
 from tests import train_utils
-from tests.cli_utils import assert_user_error
+from tests.cli_utils import assert_user_error, in_process
 from tests.train_utils import sets, write_text_dataset
 
 PLOTS = ("grad_norm", "loss", "lr", "throughput")
@@ -83,8 +83,16 @@ def fake_run(path: Path, *, metrics: list | None = None, plan=PLAN, config=CONFI
 
 
 def cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([train_utils.EXE, *args], capture_output=True, text=True, timeout=300, env=env, cwd=cwd)
+    """``steadytrain ARGS`` in this process (:func:`tests.cli_utils.in_process`), from ``cwd`` when given: these
+    tests are about what the commands write and say, not about their process (the launched ones use Popen)."""
+    if cwd is None:
+        return in_process(*args)
+    here = os.getcwd()
+    os.chdir(cwd)
+    try:
+        return in_process(*args)
+    finally:
+        os.chdir(here)
 
 
 def markdown_lines(text: str) -> list[str]:
