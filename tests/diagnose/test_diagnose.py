@@ -91,6 +91,42 @@ def test_every_example_non_finite_is_spread_even_with_unequal_exposure(tmp_path)
     assert rep.sentence.startswith("spread: 5 non-finite step(s)") and "learning rate" in rep.sentence
 
 
+def test_trouble_that_follows_one_rank_across_shards_is_rank_selective(tmp_path):
+    import socket
+
+    rng = random.Random(3)
+    steps = []
+    for _ in range(6):  # rank 1's device returns NaN whatever it reads: all its 8 examples, from 8 random shards
+        ex = [(s, False) for s in rng.sample(range(40), 8)], [(s, True) for s in rng.sample(range(40), 8)]
+        steps.append(list(ex))
+    write_run(tmp_path, steps, {s: 100 for s in range(40)})
+    rep = report(tmp_path)
+    assert rep.verdict == "rank-selective" and rep.suspect_ranks == [1] and rep.suspect_shards == []
+    assert rep.suspect_hosts == [socket.gethostname()]  # each rank's ledger lines carry its host
+    assert rep.sentence.startswith("rank-selective: 6 of 6 non-finite steps were flagged on rank(s) 1")
+    assert "look at that rank's device and host" in rep.sentence
+    from steadytrain.diagnose.ranks import rank_stats
+
+    stats, localized = rank_stats(read_ledger(tmp_path))
+    one = next(s for s in stats if s.rank == 1)
+    assert localized == 6 and one.flagged == 48 and one.expected == pytest.approx(24.0)
+    assert one.p_value == pytest.approx(exact_sf(48, 48, Fraction(1, 2)), rel=1e-6)  # half of what is in play
+    assert one.shards == len({sh for st in steps for sh, _ in st[1]})
+    assert set(rep.to_dict()) >= {"verdict", "suspect_shards", "suspect_ranks", "suspect_hosts", "sentence"}
+
+
+def test_a_bad_shard_read_by_one_rank_is_the_shards_not_the_ranks(tmp_path):
+    rng = random.Random(5)
+    bad = 17
+    steps = []
+    for _ in range(6):  # the bad shard's examples land on rank 1 only: one shard, so not the rank's doing
+        others = rng.sample([s for s in range(40) if s != bad], 12)
+        steps.append([[(s, False) for s in others[:8]], [(bad, True), (bad, True), *((s, False) for s in others[8:])]])
+    write_run(tmp_path, steps, {s: 100 for s in range(40)})
+    rep = report(tmp_path)
+    assert rep.verdict == "shard-selective" and rep.suspect_shards == [bad] and rep.suspect_ranks == []
+
+
 def test_no_ledger_is_none_and_a_bad_line_is_one_user_error(tmp_path):
     assert report(tmp_path).verdict == "none"
     (tmp_path / "nonfinite.jsonl").write_text('{"step": 1}\n{"step": 2, "rank": 0}\n')

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
+import socket
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -106,6 +107,7 @@ def event_record(event: NonFiniteEvent, step: int) -> dict[str, Any]:
     return {
         "step": step,
         "rank": event.rank,
+        "host": socket.gethostname(),  # the machine that computed it: the rank test pools a host's ranks
         "cycle": event.cycle,
         "reason": event.reason,
         "action": event.action,

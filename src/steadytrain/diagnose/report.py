@@ -70,8 +70,8 @@ class ShardStats:
 @dataclass
 class NonFiniteReport:
     """What :func:`report` found. ``to_dict`` has the contract keys ``verdict``, ``suspect_shards``,
-    ``shards`` (``{shard, events, exposures, rate}``), ``ranks`` (refused steps in which the rank's own
-    loss was non-finite) and ``sentence``."""
+    ``suspect_ranks``, ``suspect_hosts``, ``shards`` (``{shard, events, exposures, rate}``), ``ranks`` (refused
+    steps in which the rank's own loss was non-finite) and ``sentence``."""
 
     verdict: str
     suspect_shards: list[int]
@@ -83,11 +83,17 @@ class NonFiniteReport:
     localized: bool = True
     """Whether some rank saw a non-finite local loss (else only the gradients were non-finite)."""
     threshold: float = ALPHA
+    suspect_ranks: list[int] = field(default_factory=list)
+    """Ranks the trouble follows across shards (:mod:`.ranks`); empty unless ``rank-selective``."""
+    suspect_hosts: list[str] = field(default_factory=list)
+    """Their hosts, and any host the pooled test finds beyond chance."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "verdict": self.verdict,
             "suspect_shards": list(self.suspect_shards),
+            "suspect_ranks": list(self.suspect_ranks),
+            "suspect_hosts": list(self.suspect_hosts),
             "shards": [asdict(s) for s in self.shards],
             "ranks": {str(r): n for r, n in sorted(self.ranks.items())},
             "sentence": self.sentence,
@@ -244,8 +250,11 @@ def report(run_dir: str | Path, ledger: str = LEDGER) -> NonFiniteReport:
     stats, localized = _shard_stats(steps, exposure)
     cut = ALPHA / max(len(stats), 1)
     suspects = [s for s in stats if s.p_value < cut and s.nonfinite > s.expected]
+    machines = _machines(run_dir, ledger, events, steps)
     if not steps:
         verdict = "none"
+    elif machines is not None:
+        return _rank_report(machines, stats, ranks, steps, localized, _WORDS[ledger])
     elif suspects and _covered(steps, {s.shard for s in suspects}) * 2 >= len(steps):
         verdict = "shard-selective"
     else:
@@ -256,3 +265,38 @@ def report(run_dir: str | Path, ledger: str = LEDGER) -> NonFiniteReport:
     return NonFiniteReport(
         verdict, [s.shard for s in suspects], stats, ranks, sentence, sorted(s for s, _ in steps), localized, ALPHA
     )
+
+
+def _machines(run_dir: Path, ledger: str, events: list, steps: dict) -> tuple[list, list, list[str]] | None:
+    """``(suspect rank stats, all rank stats, suspect hosts)`` when the verdict is ``rank-selective``, else None."""
+    from steadytrain.diagnose import ranks as machine
+
+    stats, _ = machine.rank_stats(events)
+    found = machine.suspects(stats, ALPHA)
+    if not found:
+        return None
+    bad = {s.rank for s in found}
+    involved = {(step, e.batch) for step, e in events if e.rank in bad and machine.flagged_shards(e)}
+    if len(involved) * 2 < len(steps):
+        return None
+    hosts = machine.suspect_hosts(events, machine.read_hosts(run_dir, ledger), sorted(bad), ALPHA)
+    return found, stats, hosts
+
+
+def _rank_report(machines, stats, ranks, steps, localized, words) -> NonFiniteReport:
+    found, _, hosts = machines
+    names = ", ".join(str(s.rank) for s in found)
+    on = f" on {', '.join(hosts)}" if hosts else ""
+    k, expected, p = sum(s.flagged for s in found), sum(s.expected for s in found), min(s.p_value for s in found)
+    sentence = (
+        f"rank-selective: {sum(s.events for s in found)} of {len(steps)} {words['step']}s were flagged on rank(s) "
+        f"{names}{on}, across {max(s.shards for s in found)} shards; {k} {words['losses']} there where its share of "
+        f"the examples in play predicts {expected:.1f} (binomial tail p = {p:.2g}, threshold {ALPHA:g}/{len(ranks)} "
+        "ranks): the trouble follows the machine, not the data: look at that rank's device and host first "
+        "(memory errors, a faulty GPU)"
+    )
+    shards = sorted(stats, key=lambda st: (-st.events, st.shard))
+    return NonFiniteReport(
+        "rank-selective", [], shards, ranks, sentence, sorted(s for s, _ in steps), localized, ALPHA,
+        suspect_ranks=sorted(int(s.rank) for s in found), suspect_hosts=hosts,
+    )  # fmt: skip

@@ -32,6 +32,7 @@ from steadytrain.train.job.core import Interrupted, Job, TrainingStopped
 from steadytrain.train.job.ending import end_job
 from steadytrain.train.job.evaluate import Validation, evaluate, precision_context
 from steadytrain.train.job.files import ResumeRecord
+from steadytrain.train.job.parity import check_parity, parity_due
 from steadytrain.train.job.restore import (
     ROLLED_BACK,
     Restorable,
@@ -339,6 +340,8 @@ def _after_step(job: Job, result: Any, loss: torch.Tensor) -> str | None:
     best = (
         _validate(job) if job.validation is not None and job.validation.due(job.state.step, _last_step(job)) else False
     )
+    if parity_due(job) and (why := check_parity(job)):  # every rank at the same step: one small all-gather
+        return why  # on_parity: stop; the checkpoint follows (in _run), of the replicas made equal
     if job.stop.agreed() and not job.step.ended:  # one all-reduce: a signal on any rank stops all at this step
         return f"interrupted by {job.stop.name} at step {job.state.step}"  # the checkpoint follows (in _run)
     if (

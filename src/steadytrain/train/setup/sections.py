@@ -64,6 +64,12 @@ class DistributedConfig(Section):
     ``precision: bf16``, else fp32, no policy)."""
     fsdp_reduce_dtype: Literal["bf16", "fp32"] = "fp32"
     """FSDP2 mixed precision: the dtype gradients are reduce-scattered in (fp32: exact sums across ranks)."""
+    parity_every_steps: int = Field(default=100, ge=0)
+    """Every this many optimizer steps the DDP replicas compare a checksum of their parameters (one small
+    all-gather; 0 = off): a rank whose values differ is recorded in ``RUN/parity.jsonl``."""
+    on_parity: Literal["warn", "stop"] = "stop"
+    """What a disagreement does: ``warn``, or ``stop`` with every replica made equal to an agreeing rank's and a
+    checkpoint."""
     watchdog_s: float | None = Field(default=None, ge=0, allow_inf_nan=False)
     """Seconds without progress on any rank before the job is called hung: every rank writes its threads' stacks
     under ``RUN/hangs/``, the rank that is behind is named, and the ranks exit (code 75) for a restart to take

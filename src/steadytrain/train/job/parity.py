@@ -1,0 +1,92 @@
+"""Replicas that disagree: ranks holding copies of the same parameters compare a checksum of them.
+
+Under DDP every rank holds the whole model and applies the same all-reduced update, so the replicas stay bitwise
+equal; a rank whose values differ had them corrupted (a faulty device or host, a stray write), silently: its
+gradients still join the all-reduce. Every ``distributed.parity_every_steps`` optimizer steps each rank computes,
+on its device, one float64 sum per parameter tensor and one sum of absolute values (a flipped sign changes the
+second even where the first cancels); the vectors are all-gathered (one small collective) and compared on the host
+(one read). A rank whose vector differs from the most common one is recorded in ``RUN/parity.jsonl`` (``step``,
+``rank``, ``host``, ``tensors``: the parameter names that differ). With two replicas there is no majority: the rank
+that differs from rank 0 is named, and the record says the vote was a tie. ``distributed.on_parity``: ``warn`` logs
+and goes on; ``stop`` (the default) makes every replica equal to an agreeing rank's (a broadcast per tensor from
+it) and stops the run with a checkpoint and a report line. FSDP holds shards, not replicas: nothing to compare.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from collections import Counter
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from steadytrain._io import append_jsonl
+from steadytrain.train.job.core import Job
+
+__all__ = ["check_parity", "parity_due"]
+
+log = logging.getLogger("steadytrain.train")
+
+
+def parity_due(job: Job) -> bool:
+    every = job.cfg.distributed.parity_every_steps
+    return (
+        bool(every)
+        and job.info.backend is not None
+        and job.info.world_size > 1
+        and job.cfg.distributed.strategy == "ddp"
+        and job.state.step % every == 0
+    )
+
+
+def _named(job: Job) -> list[tuple[str, torch.Tensor]]:
+    model = job.model.module if hasattr(job.model, "module") else job.model
+    return [(n, p) for n, p in model.named_parameters()]
+
+
+def _checksums(params: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
+    with torch.no_grad():
+        values = [p.detach().to(torch.float64) for _, p in params]
+        return torch.stack([v.sum() for v in values] + [v.abs().sum() for v in values])
+
+
+def check_parity(job: Job) -> str | None:
+    """Compare the replicas (every rank, the same step); why to stop (``on_parity: stop``), or None."""
+    params = _named(job)
+    mine = _checksums(params)
+    every = [torch.empty_like(mine) for _ in range(job.info.world_size)]
+    dist.all_gather(every, mine)  # one small collective per check: every rank's checksums
+    table = torch.stack(every).cpu().tolist()  # host read, once per check: the comparison is a Python decision
+    votes = Counter(tuple(row) for row in table)
+    top, count = votes.most_common(1)[0]
+    tie = count * 2 <= len(table)
+    reference = tuple(table[0]) if tie else top
+    bad = [r for r, row in enumerate(table) if tuple(row) != reference]
+    if not bad:
+        return None
+    n = len(params)
+    hosts: list[Any] = [None] * job.info.world_size
+    dist.all_gather_object(hosts, socket.gethostname())  # only when they disagree (every rank sees the same table)
+    for rank in bad:
+        pairs = zip(table[rank], reference, strict=True)
+        differ = sorted({params[i % n][0] for i, (a, b) in enumerate(pairs) if a != b})
+        if job.info.is_main:
+            record = {"step": job.state.step, "rank": rank, "host": hosts[rank], "tensors": differ}
+            append_jsonl(job.run.path / "parity.jsonl", record | ({"tie": True} if tie else {}))
+            log.warning(
+                "replicas disagree at step %d: rank %d differs from %s in %s",
+                job.state.step, rank, "rank 0 (two replicas: a tie)" if tie else "the majority", ", ".join(differ[:5]),
+            )  # fmt: skip
+    if job.cfg.distributed.on_parity != "stop":
+        return None
+    good = next(r for r, row in enumerate(table) if tuple(row) == reference)
+    with torch.no_grad():
+        for _, p in params:  # every replica made equal to an agreeing rank's before the checkpoint
+            dist.broadcast(p.data, src=good)
+    ranks = ", ".join(str(r) for r in bad)
+    return (
+        f"replicas disagree at step {job.state.step}: rank(s) {ranks} held other parameter values than rank {good} "
+        f"(see {job.run.path / 'parity.jsonl'}); the checkpoint holds rank {good}'s; check that machine's device"
+    )

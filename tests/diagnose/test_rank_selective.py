@@ -1,0 +1,86 @@
+"""A faulty device on 2 gloo ranks: rank 1's model returns NaN at chosen steps whatever the data, so
+``nan report`` must say ``rank-selective`` and name rank 1 and its host; the clean run of the same config has no
+verdict to give.
+
+The oracle is the planted cause: the test's model decides the NaN from the rank and the step, never the data.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+
+from tests.cli_utils import in_process
+from tests.dist_utils import cli_on_ranks
+from tests.train_utils import sets, write_text_dataset
+
+_FAULTY = '''
+import os
+
+import torch
+import torch.nn.functional as F
+
+
+class Bigram(torch.nn.Module):
+    """A bigram LM whose forward on rank 1 returns NaN per-example losses at the forward numbers ``faulty_at``."""
+
+    def __init__(self, dim=16, faulty_at="", **_):
+        super().__init__()
+        self.emb, self.head = torch.nn.Embedding(256, dim), torch.nn.Linear(dim, 256)
+        self.calls, self.at = 0, {int(x) for x in str(faulty_at).split(",") if x}
+
+    def forward(self, batch):
+        self.calls += 1
+        tokens = batch["tokens"].long()
+        logits = self.head(self.emb(tokens[:, :-1]))
+        losses = F.cross_entropy(logits.transpose(1, 2), tokens[:, 1:], reduction="none").mean(1)
+        if os.environ.get("RANK") == "1" and self.calls in self.at:
+            return losses * float("nan")  # the device's fault, whatever the examples
+        return losses
+
+
+def factory(**kw):
+    return Bigram(**kw)
+'''
+
+ITEMS = [
+    "model.name=faulty:factory",
+    "data.seq_len=32",
+    "batch.micro_batch_size=4",
+    "batch.global_batch_size=16",
+    "batch.base_batch_size=16",
+    "run.max_steps=10",
+    "run.log_every=1",
+    "checkpoint.every_steps=100",
+]
+
+
+@pytest.mark.distributed
+def test_a_faulty_device_is_rank_selective_and_a_clean_run_has_no_verdict(tmp_path):
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "faulty.py").write_text(_FAULTY)
+    data = write_text_dataset(tmp_path / "data", [10] * 16)  # small shards: a micro-batch spans several
+    faulty, clean = tmp_path / "faulty", tmp_path / "clean"
+    # rank 1's first forward of steps 3, 5, 7 and 9 (2 micro-batches per rank per step)
+    commands = [
+        ["train", "--run-dir", faulty, *sets(*ITEMS, f"data.path={data}", "model.faulty_at=5,9,13,17")],
+        ["train", "--run-dir", clean, *sets(*ITEMS, f"data.path={data}")],
+    ]
+    done = cli_on_ranks(tmp_path, commands, PYTHONPATH=str(pkg))
+    for command in done:
+        assert all(p.returncode == 0 for p in command), command[0].stderr[-3000:]
+
+    got = in_process("nan", "report", str(faulty), "--json")
+    assert got.returncode == 0, got.stderr
+    rep = json.loads(got.stdout)
+    assert rep["verdict"] == "rank-selective", rep["sentence"]
+    assert rep["suspect_ranks"] == [1] and rep["suspect_hosts"] == [socket.gethostname()]
+    assert rep["steps"] == [3, 5, 7, 9] and rep["suspect_shards"] == []
+    text = in_process("nan", "report", str(faulty)).stdout
+    assert "rank-selective" in text and "rank(s) 1" in text
+
+    calm = json.loads(in_process("nan", "report", str(clean), "--json").stdout)
+    assert calm["verdict"] == "none" and calm["suspect_ranks"] == [] and calm["suspect_hosts"] == []
