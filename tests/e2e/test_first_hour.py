@@ -84,6 +84,7 @@ BAD = {
     "repro": ["repro", "{missing}", "--json"],
     "plan": ["plan", "--micro-batch-size", "0", "--json"],
     "hangs": ["hangs", "{missing}", "--json"],
+    "ranks": ["ranks", "{missing}", "--json"],
 }
 """A bad input to each ``--json`` command: a run directory that does not exist (plan: a zero batch)."""
 

@@ -156,3 +156,19 @@ def hangs(run: str, as_json: bool) -> None:
         click.echo(f"step {h['step']}: rank(s) {ranks} stuck in {h['phase']} on {one_line(str(h['host']))}")
         click.echo(f"  at {one_line(str(h['frame']))}")
         click.echo(f"  stacks: {one_line(h['dir'])}")
+
+
+@click.command("ranks")
+@click.argument("run", type=click.Path(file_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print the stragglers as JSON.")
+def ranks(run: str, as_json: bool) -> None:
+    """Name a rank that is consistently slower than the others (RUN/ranks.jsonl), with what it cost the job."""
+    from steadytrain.runs.ranks import stragglers
+
+    rep = stragglers(Path(run))
+    if as_json:
+        _json(rep.to_dict())
+        return
+    click.echo(one_line(rep.sentence))
+    for rank, ms in sorted(rep.ranks.items()):
+        click.echo(f"  rank {rank}: {ms:.2f} ms per step of its own (data + forward, median)")

@@ -33,6 +33,7 @@ from steadytrain.train.job.ending import end_job
 from steadytrain.train.job.evaluate import Validation, evaluate, precision_context
 from steadytrain.train.job.files import ResumeRecord
 from steadytrain.train.job.parity import check_parity, parity_due
+from steadytrain.train.job.ranks import record_rank_times
 from steadytrain.train.job.restore import (
     ROLLED_BACK,
     Restorable,
@@ -289,7 +290,7 @@ def _micro_batch(job: Job, mb: dict[str, Any]) -> tuple[Any, torch.Tensor]:
         job.spikes.tags.append(tag)
     beat = job.beat
     with job.acc.micro_batch(tag=tag) as m:
-        beat.phase = "forward"
+        beat.enter("forward")
         with autocast:
             out = job.model(batch)
         loss = check_losses(out, len(index)).float().mean()
@@ -298,13 +299,13 @@ def _micro_batch(job: Job, mb: dict[str, Any]) -> tuple[Any, torch.Tensor]:
         detached = loss.detach()
         if job.spikes.detector is not None:  # a spike's record of a model that returns a scalar loss
             tag["loss"] = detached
-        beat.phase = "backward"
+        beat.enter("backward")
         m.backward(loss)
-        beat.phase = "all_reduce"  # the end of a cycle: the gradient sync, the global norm, the update
+        beat.enter("all_reduce")  # the end of a cycle: the gradient sync, the global norm, the update
         # before the with block ends (and the cycle with it): the accumulator's veto judges the step loss
         job.step.loss = detached if m.position == 0 else job.step.loss + detached
         job.step.micros = m.position + 1
-    beat.phase = "data"
+    beat.enter("data")
     if m.result is None:
         return None, job.step.loss
     return m.result, job.step.loss / job.step.micros  # the step's mean loss: divided once per step
@@ -312,7 +313,8 @@ def _micro_batch(job: Job, mb: dict[str, Any]) -> tuple[Any, torch.Tensor]:
 
 def _after_step(job: Job, result: Any, loss: torch.Tensor) -> str | None:
     job.state.step += 1
-    job.beat.step, job.beat.phase = job.state.step, "all_reduce"  # the metrics' and the stop flag's collectives
+    job.beat.step = job.state.step
+    job.beat.enter("all_reduce")  # the metrics' and the stop flag's collectives
     spike = not result.stepped and job.acc.nonfinite_events[-1].reason == SPIKE
     if spike and job.cfg.spike.policy == "rollback":
         outcome = rollback(job, job.acc.nonfinite_events[-1])
@@ -336,6 +338,7 @@ def _after_step(job: Job, result: Any, loss: torch.Tensor) -> str | None:
     cfg = job.cfg
     if job.state.step % cfg.run.log_every == 0:
         job.metrics.flush()  # an all-reduce on every rank at the same step: the logged loss is the global batch's
+        record_rank_times(job)  # one small all-gather at the same step: each rank's time per phase (ranks.jsonl)
     # an evaluation due at this step runs before a stop is honoured: a resume starts after this step
     best = (
         _validate(job) if job.validation is not None and job.validation.due(job.state.step, _last_step(job)) else False
@@ -350,7 +353,7 @@ def _after_step(job: Job, result: Any, loss: torch.Tensor) -> str | None:
         and not job.step.ended
     ):
         _checkpoint(job)
-    job.beat.phase = "data"
+    job.beat.enter("data")
     if job.step.ended:
         return job.step.ended
     if job.state.consecutive_skips >= cfg.nonfinite.max_consecutive_skips:
@@ -369,7 +372,7 @@ def _last_step(job: Job) -> int:
 def _validate(job: Job) -> bool:
     """Evaluate after this step (every rank), write its row (``val_time_s``: the pass's own time); whether a checkpoint
     must keep it as the best. Its time is set aside: the next step's ``step_s`` and ``items_per_s`` leave it out."""
-    job.beat.phase = "eval"  # progress, however long it takes
+    job.beat.enter("eval")  # progress, however long it takes
     with job.metrics.aside("eval") as spent:
         # sums over every rank's slice of the held-out set: the loss of the whole set, equal on every world size
         result = evaluate(job.model, job.validation.evalset, job.info, precision=job.cfg.precision)
@@ -388,7 +391,7 @@ def _checkpoint(job: Job) -> None:
     resume would not write again)."""
     # its time is set aside: the next step's step_s leaves it out (and that row's checkpoint_s holds it); every
     # save is made by _run, after it has started the metrics
-    job.beat.phase = "checkpoint"  # progress, however long it takes
+    job.beat.enter("checkpoint")  # progress, however long it takes
     with job.metrics.aside("checkpoint"):
         job.metrics.flush()
         exposure = runfiles.write_exposure(job)

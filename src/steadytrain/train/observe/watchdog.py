@@ -62,10 +62,28 @@ def hang_dir(run: Path, step: int) -> Path:
 
 @dataclass
 class Beat:
-    """The loop's position: the optimizer steps done and the phase of the step in progress."""
+    """The loop's position: the optimizer steps done and the phase of the step in progress; and the seconds spent
+    in each phase since :meth:`take` (a clock read per phase change: no device work, no host read)."""
 
     step: int = 0
     phase: str = "start"
+    spent: dict[str, float] = field(default_factory=dict)
+    since: float = field(default_factory=time.perf_counter)
+    hosts: list[Any] | None = None
+    """Every rank's host, once gathered (``ranks.jsonl``)."""
+    last_step: int | None = None
+    """The step of the last :meth:`take` by ``ranks.jsonl``'s recorder."""
+
+    def enter(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.spent[self.phase] = self.spent.get(self.phase, 0.0) + now - self.since
+        self.phase, self.since = phase, now
+
+    def take(self) -> dict[str, float]:
+        """The seconds per phase since the last call (the phase in progress counted up to now)."""
+        self.enter(self.phase)
+        spent, self.spent = self.spent, {}
+        return spent
 
 
 @dataclass
