@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +18,7 @@ __all__ = [
     "CHECKPOINTED",
     "EXE",
     "TINY",
+    "bigram_module",
     "copy_run",
     "evals",
     "metrics",
@@ -93,3 +95,49 @@ def write_text_dataset(path: Path, sizes: list[int]) -> Path:
             w.write_shard(pa.table({"tokens": pa.FixedSizeListArray.from_arrays(pa.array(part.reshape(-1)), 33)}))
             start += n
     return path
+
+
+_BIGRAM = '''
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+
+class Bigram(torch.nn.Module):
+    """{doc}"""
+
+    def __init__(self, dim=16, **kw):
+        super().__init__()
+        self.emb, self.head = torch.nn.Embedding(256, dim), torch.nn.Linear(dim, 256)
+        self.calls, self.kw = 0, kw
+
+    def forward(self, batch):
+        self.calls += 1
+{hook}        tokens = batch["tokens"].long()
+        logits = self.head(self.emb(tokens[:, :-1]))
+        losses = F.cross_entropy(logits.transpose(1, 2), tokens[:, 1:], reduction="none").mean(1)
+{after}        return losses
+
+
+def factory(**kw):
+    return Bigram(**kw)
+'''
+
+
+def bigram_module(hook: str = "", after: str = "", doc: str = "A bigram LM.") -> str:
+    """The source of a user model module (``factory(**kw)`` builds ``Bigram``: an embedding and a linear head over
+    bytes, per-example cross-entropy losses) for tests that plant a fault in a real run.
+
+    ``hook`` runs at the start of ``forward`` after ``self.calls += 1`` (the forward number, from 1); ``after`` runs
+    once ``losses`` is computed, before it is returned (it may return something else). Both are code lines at any
+    common indentation; they may use ``os``, ``time``, ``Path``, ``torch``, ``F``, ``batch`` and ``self.kw`` (the
+    factory's keyword arguments other than ``dim``: the config's ``model.*`` keys). ``doc`` is the class docstring.
+    """
+
+    def body(code: str) -> str:
+        return textwrap.indent(textwrap.dedent(code).strip("\n") + "\n", " " * 8) if code.strip() else ""
+
+    return _BIGRAM.format(doc=doc, hook=body(hook), after=body(after))

@@ -14,36 +14,16 @@ import pytest
 
 from tests.cli_utils import in_process
 from tests.dist_utils import cli_on_ranks
-from tests.train_utils import sets, write_text_dataset
+from tests.train_utils import bigram_module, sets, write_text_dataset
 
-_FAULTY = '''
-import os
-
-import torch
-import torch.nn.functional as F
-
-
-class Bigram(torch.nn.Module):
-    """A bigram LM whose forward on rank 1 returns NaN per-example losses at the forward numbers ``faulty_at``."""
-
-    def __init__(self, dim=16, faulty_at="", **_):
-        super().__init__()
-        self.emb, self.head = torch.nn.Embedding(256, dim), torch.nn.Linear(dim, 256)
-        self.calls, self.at = 0, {int(x) for x in str(faulty_at).split(",") if x}
-
-    def forward(self, batch):
-        self.calls += 1
-        tokens = batch["tokens"].long()
-        logits = self.head(self.emb(tokens[:, :-1]))
-        losses = F.cross_entropy(logits.transpose(1, 2), tokens[:, 1:], reduction="none").mean(1)
-        if os.environ.get("RANK") == "1" and self.calls in self.at:
-            return losses * float("nan")  # the device's fault, whatever the examples
-        return losses
-
-
-def factory(**kw):
-    return Bigram(**kw)
-'''
+_FAULTY = bigram_module(
+    doc="A bigram LM whose forward on rank 1 returns NaN per-example losses at the forward numbers ``faulty_at``.",
+    after="""
+    at = {int(x) for x in str(self.kw.get("faulty_at", "")).split(",") if x}
+    if os.environ.get("RANK") == "1" and self.calls in at:
+        return losses * float("nan")  # the device's fault, whatever the examples
+    """,
+)
 
 ITEMS = [
     "model.name=faulty:factory",

@@ -20,45 +20,23 @@ from pathlib import Path
 
 import pytest
 
-from tests.train_utils import metrics, train, write_text_dataset
+from tests.train_utils import bigram_module, metrics, train, write_text_dataset
 
 pytestmark = pytest.mark.distributed
 
-_MODEL = '''
-import os
-import time
-from pathlib import Path
-
-import torch
-import torch.nn.functional as F
-
-
-class Bigram(torch.nn.Module):
-    """A bigram LM. On rank 1, forward number GATE_AT writes GATE_DIR/reached (its pid) and waits there for ever
-    (a node about to be lost); with SLOW_S every forward sleeps that long (a run long enough for a node to join)."""
-
-    def __init__(self, dim=16, **_):
-        super().__init__()
-        self.emb, self.head = torch.nn.Embedding(256, dim), torch.nn.Linear(dim, 256)
-        self.calls = 0
-
-    def forward(self, batch):
-        self.calls += 1
-        gate = os.environ.get("GATE_DIR")
-        if gate and os.environ.get("RANK") == "1" and self.calls == int(os.environ["GATE_AT"]):
-            Path(gate, "reached").write_text(str(os.getpid()))
-            while True:
-                time.sleep(0.05)
-        if os.environ.get("SLOW_S"):
-            time.sleep(float(os.environ["SLOW_S"]))
-        tokens = batch["tokens"].long()
-        logits = self.head(self.emb(tokens[:, :-1]))
-        return F.cross_entropy(logits.transpose(1, 2), tokens[:, 1:], reduction="none").mean(1)
-
-
-def factory(**kw):
-    return Bigram(**kw)
-'''
+_MODEL = bigram_module(
+    doc="""A bigram LM. On rank 1, forward number GATE_AT writes GATE_DIR/reached (its pid) and waits there for ever
+    (a node about to be lost); with SLOW_S every forward sleeps that long (a run long enough for a node to join).""",
+    hook="""
+    gate = os.environ.get("GATE_DIR")
+    if gate and os.environ.get("RANK") == "1" and self.calls == int(os.environ["GATE_AT"]):
+        Path(gate, "reached").write_text(str(os.getpid()))
+        while True:
+            time.sleep(0.05)
+    if os.environ.get("SLOW_S"):
+        time.sleep(float(os.environ["SLOW_S"]))
+    """,
+)
 
 _CONFIG = """\
 model:

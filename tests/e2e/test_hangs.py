@@ -15,45 +15,23 @@ import pytest
 
 from tests.cli_utils import in_process, launched
 from tests.dist_utils import cli_on_ranks
-from tests.train_utils import metrics, sets, write_text_dataset
+from tests.train_utils import bigram_module, metrics, sets, write_text_dataset
 
-_SLEEPY = '''
-import os
-import time
-from pathlib import Path
-
-import torch
-import torch.nn.functional as F
-
-
-class Bigram(torch.nn.Module):
-    """A bigram LM; on rank 1 its forward number SLEEP_AT sleeps SLEEP_S (once per SLEEP_MARKER, when set), its
-    forward number CRASH_AT ends the process (exit 3), and with SLEEP_EVERY_S every forward sleeps that long."""
-
-    def __init__(self, dim=16, **_):
-        super().__init__()
-        self.emb, self.head = torch.nn.Embedding(256, dim), torch.nn.Linear(dim, 256)
-        self.calls = 0
-
-    def forward(self, batch):
-        self.calls += 1
-        rank1 = os.environ.get("RANK") == "1"
-        marker = os.environ.get("SLEEP_MARKER")
-        if rank1 and marker and self.calls == int(os.environ["SLEEP_AT"]) and not Path(marker).exists():
-            Path(marker).write_text("slept")
-            time.sleep(float(os.environ["SLEEP_S"]))  # SLEEPING LINE
-        if rank1 and os.environ.get("CRASH_AT") and self.calls == int(os.environ["CRASH_AT"]):
-            os._exit(3)  # a faulty node, every attempt
-        if rank1 and os.environ.get("SLEEP_EVERY_S"):
-            time.sleep(float(os.environ["SLEEP_EVERY_S"]))
-        tokens = batch["tokens"].long()
-        logits = self.head(self.emb(tokens[:, :-1]))
-        return F.cross_entropy(logits.transpose(1, 2), tokens[:, 1:], reduction="none").mean(1)
-
-
-def factory(**kw):
-    return Bigram(**kw)
-'''
+_SLEEPY = bigram_module(
+    doc="""A bigram LM; on rank 1 its forward number SLEEP_AT sleeps SLEEP_S (once per SLEEP_MARKER, when set), its
+    forward number CRASH_AT ends the process (exit 3), and with SLEEP_EVERY_S every forward sleeps that long.""",
+    hook="""
+    rank1 = os.environ.get("RANK") == "1"
+    marker = os.environ.get("SLEEP_MARKER")
+    if rank1 and marker and self.calls == int(os.environ["SLEEP_AT"]) and not Path(marker).exists():
+        Path(marker).write_text("slept")
+        time.sleep(float(os.environ["SLEEP_S"]))  # SLEEPING LINE
+    if rank1 and os.environ.get("CRASH_AT") and self.calls == int(os.environ["CRASH_AT"]):
+        os._exit(3)  # a faulty node, every attempt
+    if rank1 and os.environ.get("SLEEP_EVERY_S"):
+        time.sleep(float(os.environ["SLEEP_EVERY_S"]))
+    """,
+)
 _LINE = next(i for i, line in enumerate(_SLEEPY.splitlines(), start=1) if "SLEEPING LINE" in line)
 """The sleeping line's number in sleepy.py."""
 

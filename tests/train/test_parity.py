@@ -13,36 +13,16 @@ import torch
 
 from steadytrain.train.checkpoint.catalog import latest_checkpoint, load_checkpoint
 from tests.dist_utils import cli_on_ranks
-from tests.train_utils import metrics, sets, write_text_dataset
+from tests.train_utils import bigram_module, metrics, sets, write_text_dataset
 
-_FLIPPING = '''
-import os
-
-import torch
-import torch.nn.functional as F
-
-
-class Bigram(torch.nn.Module):
-    """A bigram LM; on rank 1 its forward number ``flip_at`` negates one element of the head's weight."""
-
-    def __init__(self, dim=16, flip_at=0, **_):
-        super().__init__()
-        self.emb, self.head = torch.nn.Embedding(256, dim), torch.nn.Linear(dim, 256)
-        self.calls, self.flip_at = 0, int(flip_at)
-
-    def forward(self, batch):
-        self.calls += 1
-        if os.environ.get("RANK") == "1" and self.calls == self.flip_at:
-            with torch.no_grad():
-                self.head.weight[3, 5] = -self.head.weight[3, 5] + 1.0  # a silent corruption of this replica
-        tokens = batch["tokens"].long()
-        logits = self.head(self.emb(tokens[:, :-1]))
-        return F.cross_entropy(logits.transpose(1, 2), tokens[:, 1:], reduction="none").mean(1)
-
-
-def factory(**kw):
-    return Bigram(**kw)
-'''
+_FLIPPING = bigram_module(
+    doc="A bigram LM; on rank 1 its forward number ``flip_at`` negates one element of the head's weight.",
+    hook="""
+    if os.environ.get("RANK") == "1" and self.calls == int(self.kw.get("flip_at", 0)):
+        with torch.no_grad():
+            self.head.weight[3, 5] = -self.head.weight[3, 5] + 1.0  # a silent corruption of this replica
+    """,
+)
 
 ITEMS = [
     "model.name=flipping:factory",
