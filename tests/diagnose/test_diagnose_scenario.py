@@ -200,12 +200,19 @@ def test_no_checkpoint_at_or_before_the_step_uses_the_initial_weights_and_says_h
     assert hunt(run, shard).checkpoint_step == 0  # the failure at step 1: not the checkpoint of step 4
 
 
-def test_a_far_too_high_learning_rate_is_spread(tmp_path):
+def test_a_far_too_high_learning_rate_is_spread_and_triage_says_state(tmp_path):
     data = make_dataset(tmp_path / "clean", shards=16, bad_shard=None, seed=4)
-    run = train(tmp_path, data, "lr", code=1, lr_too_high=True)  # stops after 10 consecutive skips
+    # stops after 10 consecutive skips; a checkpoint after every step, so triage has the state of each step
+    run = train(tmp_path, data, "lr", "checkpoint.every_steps=1", code=1, lr_too_high=True)
     rep = report(run)
     assert rep.verdict == "spread" and rep.suspect_shards == [], rep.sentence
     assert "learning rate" in rep.sentence
+    first = rep.steps[0]
+    found = json.loads(in_process("triage", str(run), "--step", str(first), "--json").stdout)
+    assert found["verdict"] == "state", found
+    replays = {r["variant"]: r for r in found["replays"]}
+    assert not replays["recorded"]["finite"] and not replays["without_suspects"]["finite"]
+    assert replays["repeat"]["bitwise_equal"] is True
 
 
 def test_max_consecutive_skips_stops_cleanly_with_the_report_written(scenario, tmp_path):
@@ -281,6 +288,19 @@ def test_two_ranks_only_one_reads_the_bad_examples_attributes_them_to_it(two_ran
     for _, e in read_ledger(run):
         flagged = {(t["shard"][j], t["index"][j]) for t in e.tags for j in (t["nonfinite"] or [])}
         assert flagged <= {(BAD % 16, i) for i in chosen} and (bool(flagged) == (e.rank == rank))
+
+
+@pytest.mark.distributed
+def test_triage_of_a_poisoned_shard_on_two_ranks_says_data(two_ranks):
+    run, _, _ = two_ranks
+    first = min(s for s, _ in read_ledger(run))
+    found = json.loads(in_process("triage", str(run), "--step", str(first), "--json").stdout)
+    assert found["verdict"] == "data", found
+    replays = {r["variant"]: r for r in found["replays"]}
+    assert not replays["recorded"]["finite"] and replays["without_suspects"]["finite"]
+    assert found["rank"] == [RANK]  # the rank that read the bad rows flagged them
+    text = in_process("triage", str(run), "--step", str(first)).stdout
+    assert text.startswith(f"data: step {first}") and "without_suspects" in text
 
 
 @pytest.mark.distributed

@@ -33,7 +33,8 @@ ITEMS = [
     "batch.base_batch_size=16",
     "run.max_steps=10",
     "run.log_every=1",
-    "checkpoint.every_steps=100",
+    "checkpoint.every_steps=1",
+    "checkpoint.keep_last=20",
 ]
 
 
@@ -64,3 +65,15 @@ def test_a_faulty_device_is_rank_selective_and_a_clean_run_has_no_verdict(tmp_pa
 
     calm = json.loads(in_process("nan", "report", str(clean), "--json").stdout)
     assert calm["verdict"] == "none" and calm["suspect_ranks"] == [] and calm["suspect_hosts"] == []
+
+    # triage: the faulty step replays finite from the same weights (every step is checkpointed): the machine
+    tri = in_process("triage", str(faulty), "--step", "3", "--json", PYTHONPATH=str(pkg))
+    assert tri.returncode == 0, tri.stderr
+    found = json.loads(tri.stdout)
+    assert found["verdict"] == "not-reproducible" and found["rank"] == [1], found
+    assert found["host"] == [socket.gethostname()] and "older" not in found["note"]
+    replays = {r["variant"]: r for r in found["replays"]}
+    assert replays["recorded"]["finite"] and replays["repeat"]["bitwise_equal"] is True
+    assert replays["recorded"]["loss"] == replays["repeat"]["loss"]
+    calm = json.loads(in_process("triage", str(clean), "--step", "3", "--json", PYTHONPATH=str(pkg)).stdout)
+    assert calm["verdict"] == "none" and calm["replays"] == []  # nothing refused there: no false verdict

@@ -85,6 +85,7 @@ BAD = {
     "plan": ["plan", "--micro-batch-size", "0", "--json"],
     "hangs": ["hangs", "{missing}", "--json"],
     "ranks": ["ranks", "{missing}", "--json"],
+    "triage": ["triage", "{missing}", "--step", "1", "--json"],
 }
 """A bad input to each ``--json`` command: a run directory that does not exist (plan: a zero batch)."""
 

@@ -172,3 +172,24 @@ def ranks(run: str, as_json: bool) -> None:
     click.echo(one_line(rep.sentence))
     for rank, ms in sorted(rep.ranks.items()):
         click.echo(f"  rank {rank}: {ms:.2f} ms per step of its own (data + forward, median)")
+
+
+@click.command("triage")
+@click.argument("run", type=click.Path(file_okay=False))
+@click.option("--step", type=int, required=True, help="The refused optimizer step to replay (nan report lists them).")
+@click.option("--json", "as_json", is_flag=True, help="Print the verdict and the replays as JSON.")
+def triage(run: str, step: int, as_json: bool) -> None:
+    """Replay a refused step as variants (recorded, without the suspects, from an earlier state, twice): data, model
+    state, or not reproducible (the machine)."""
+    from steadytrain.runs.triage import triage as run_triage
+
+    _logging()
+    found = run_triage(Path(run), step)
+    if as_json:
+        _json(found.to_dict())
+        return
+    click.echo(f"{found.verdict}: step {found.step}: {one_line(found.note)}")
+    for r in found.replays:
+        loss = "n/a" if r["loss"] is None else f"{r['loss']:.6g}"
+        extra = f", bitwise equal: {r['bitwise_equal']}" if "bitwise_equal" in r else ""
+        click.echo(f"  {r['variant']}: loss {loss}, finite {r['finite']}{extra}")

@@ -44,7 +44,7 @@ from steadytrain.diagnose.outliers import REFERENCE_SHARDS, example_losses, loss
 from steadytrain.diagnose.settings import ReplaySettings
 from steadytrain.errors import UserError
 
-__all__ = ["HuntReport", "Loader", "hunt"]
+__all__ = ["HuntReport", "Loader", "batch_of", "hunt", "step_batch", "take_rows"]
 
 log = logging.getLogger("steadytrain.diagnose")
 
@@ -110,7 +110,8 @@ class HuntReport:
         return head
 
 
-def _take(batch: dict[str, Any], rows: np.ndarray) -> dict[str, Any]:
+def take_rows(batch: dict[str, Any], rows: np.ndarray) -> dict[str, Any]:
+    """The examples ``rows`` (positions, ascending) of ``batch``: every field, tensors and lists alike."""
     if len(rows) and rows[-1] - rows[0] + 1 == len(rows):  # a contiguous run (the sweep's chunks): views
         a, b = int(rows[0]), int(rows[-1]) + 1
         return {k: v[a:b] for k, v in batch.items()}
@@ -136,7 +137,7 @@ class _Runner:
         """``(anything non-finite, per-row flags, a non-finite value not attributable to rows)`` for ``rows``."""
         n, probe = len(rows), self.probe
         probe.reset(n, self.device)
-        sub = _to(_take(self.batch, rows), self.device)
+        sub = _to(take_rows(self.batch, rows), self.device)
         unattributed = [probe.unattributed]
         with torch.set_grad_enabled(self.backward):
             out = self.model(sub)
@@ -324,7 +325,7 @@ def hunt(
     ds = open_dataset(settings.data)
     if shard is not None:
         ds.shard(shard)  # a DatasetError naming the known ids
-    batch = _shard_batch(settings, shard) if step is None else _step_batch(settings, step)
+    batch = _shard_batch(settings, shard) if step is None else step_batch(settings, step)
     chunk = chunk or max(settings.micro_batch_size, MIN_CHUNK)
     if kind == "spike":
         rows, limit = _spike_rows(net, ds, batch, settings, shard, chunk)
@@ -361,7 +362,8 @@ def batch_of(step: int, skipped: list[int]) -> int:
     return b
 
 
-def _step_batch(settings: ReplaySettings, step: int) -> dict[str, Any]:
+def step_batch(settings: ReplaySettings, step: int) -> dict[str, Any]:
+    """The global batch optimizer ``step`` (1-based) trained on, rollbacks' skipped batches accounted for."""
     return global_batch(
         settings.data,
         batch_of(step, settings.skipped_batches),
