@@ -77,3 +77,5 @@ def test_a_faulty_device_is_rank_selective_and_a_clean_run_has_no_verdict(tmp_pa
     assert replays["recorded"]["loss"] == replays["repeat"]["loss"]
     calm = json.loads(in_process("triage", str(clean), "--step", "3", "--json", PYTHONPATH=str(pkg)).stdout)
     assert calm["verdict"] == "none" and calm["replays"] == []  # nothing refused there: no false verdict
+    bad = in_process("triage", str(faulty), "--step", "0", PYTHONPATH=str(pkg))
+    assert bad.returncode == 2 and "--step 0" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
