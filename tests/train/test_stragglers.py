@@ -11,35 +11,15 @@ import pytest
 from steadytrain.runs.ranks import stragglers
 from tests.cli_utils import in_process
 from tests.dist_utils import cli_on_ranks
-from tests.train_utils import sets, write_text_dataset
+from tests.train_utils import bigram_module, sets, write_text_dataset
 
-_SLOW = '''
-import os
-import time
-
-import torch
-import torch.nn.functional as F
-
-
-class Bigram(torch.nn.Module):
-    """A bigram LM whose forward sleeps ``slow_ms`` on rank 1 (per micro-batch)."""
-
-    def __init__(self, dim=16, slow_ms=0, **_):
-        super().__init__()
-        self.emb, self.head = torch.nn.Embedding(256, dim), torch.nn.Linear(dim, 256)
-        self.slow_s = float(slow_ms) / 1e3
-
-    def forward(self, batch):
-        if os.environ.get("RANK") == "1" and self.slow_s:
-            time.sleep(self.slow_s)
-        tokens = batch["tokens"].long()
-        logits = self.head(self.emb(tokens[:, :-1]))
-        return F.cross_entropy(logits.transpose(1, 2), tokens[:, 1:], reduction="none").mean(1)
-
-
-def factory(**kw):
-    return Bigram(**kw)
-'''
+_SLOW = bigram_module(
+    doc="A bigram LM whose forward sleeps ``slow_ms`` on rank 1 (per micro-batch).",
+    hook="""
+    if os.environ.get("RANK") == "1" and float(self.kw.get("slow_ms", 0)):
+        time.sleep(float(self.kw["slow_ms"]) / 1e3)
+    """,
+)
 
 ITEMS = [
     "model.name=slow:factory",
