@@ -291,6 +291,23 @@ def test_two_ranks_only_one_reads_the_bad_examples_attributes_them_to_it(two_ran
 
 
 @pytest.mark.distributed
+def test_triage_of_a_learning_rate_far_too_high_on_two_ranks_says_state(tmp_path):
+    data = make_dataset(tmp_path / "clean", shards=16, bad_shard=None, seed=4)
+    cfg = train_config(data, lr_too_high=True)
+    cfg["checkpoint"] = {**cfg.get("checkpoint", {}), "every_steps": 1, "keep_last": 1000}  # the state of each step
+    (tmp_path / "lr.yaml").write_text(yaml.safe_dump(cfg))
+    (procs,) = cli_on_ranks(tmp_path, [["train", tmp_path / "lr.yaml", "--run-dir", tmp_path / "lr"]])
+    assert [p.returncode for p in procs] == [1, 1], procs[0].stderr[-3000:]  # 10 consecutive skips stop it
+    rep = report(tmp_path / "lr")
+    assert rep.verdict == "spread", rep.sentence
+    found = json.loads(in_process("triage", str(tmp_path / "lr"), "--step", str(rep.steps[0]), "--json").stdout)
+    assert found["verdict"] == "state", found
+    replays = {r["variant"]: r for r in found["replays"]}
+    assert not replays["recorded"]["finite"] and not replays["without_suspects"]["finite"]
+    assert sorted(found["rank"]) == [0, 1]  # every rank saw it: the state, not one machine
+
+
+@pytest.mark.distributed
 def test_triage_of_a_poisoned_shard_on_two_ranks_says_data(two_ranks):
     run, _, _ = two_ranks
     first = min(s for s, _ in read_ledger(run))
