@@ -47,9 +47,11 @@ def _named(job: Job) -> list[tuple[str, torch.Tensor]]:
 
 
 def _checksums(params: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
+    """Per tensor: its sum and the sum of its absolute values, accumulated in float64 (no float64 copy made)."""
     with torch.no_grad():
-        values = [p.detach().to(torch.float64) for _, p in params]
-        return torch.stack([v.sum() for v in values] + [v.abs().sum() for v in values])
+        values = [p.detach() for _, p in params]
+        sums = [v.sum(dtype=torch.float64) for v in values]
+        return torch.stack(sums + [torch.linalg.vector_norm(v, 1, dtype=torch.float64) for v in values])
 
 
 def check_parity(job: Job) -> str | None:
