@@ -188,3 +188,25 @@ def test_bisection_finds_every_bad_row_and_no_good_one(seed):
 
     assert sorted(_bisect(is_bad, np.arange(n))) == sorted(bad)
     assert len(calls) <= 1 + 2 * max(len(bad), 1) * math.ceil(math.log2(n) + 1)
+
+
+def test_spike_outliers_that_follow_one_rank_across_shards_are_rank_selective_too(tmp_path):
+    from steadytrain.accumulate.events import SPIKE
+    from steadytrain.diagnose.ledger import SPIKES
+
+    rng = random.Random(11)
+    lines = []
+    for step in range(1, 7):  # rank 1's examples are the outliers of every spike, whatever shard they come from
+        for rank in (0, 1):
+            shards = rng.sample(range(40), 8)
+            tag = {"shard": torch.tensor(shards), "index": torch.arange(8), "nonfinite": None}
+            record = event_record(
+                NonFiniteEvent(step - 1, rank, 1.0, (step - 1, step - 1), (), (tag,), "warn", SPIKE), step
+            )
+            record["tags"][0]["nonfinite"] = list(range(8)) if rank == 1 else []
+            lines.append(json.dumps({**record, "kind": "spike"}))
+    (tmp_path / SPIKES).write_text("\n".join(lines) + "\n")
+    rep = report(tmp_path, SPIKES)
+    assert rep.verdict == "rank-selective" and rep.suspect_ranks == [1], rep.sentence
+    assert rep.sentence.startswith("rank-selective: 6 of 6 loss spikes were flagged on rank(s) 1")
+    assert "outlying example losses" in rep.sentence
