@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from steadytrain.train.checkpoint.catalog import latest_checkpoint, load_checkpoint
+from tests.cli_utils import in_process
 from tests.dist_utils import cli_on_ranks
 from tests.train_utils import bigram_module, metrics, sets, write_text_dataset
 
@@ -68,3 +69,10 @@ def test_a_flipped_element_on_rank_1_is_named_and_a_clean_run_never_fires(tmp_pa
     assert [p.returncode for p in goes_on] == [0, 0], goes_on[0].stderr[-3000:]
     steps = [json.loads(x)["step"] for x in (warned / "parity.jsonl").read_text().splitlines()]
     assert steps == [15, 20]  # warned at every check, and the run went on
+
+    listed = json.loads(in_process("ranks", str(flipped), "--json").stdout)["parity"]
+    assert listed == [record]  # `steadytrain ranks` lists what parity.jsonl holds
+    assert "replicas disagreed at step 15: rank 1" in in_process("ranks", str(flipped)).stdout
+    (flipped / "parity.jsonl").write_text('{"step": 15, "rank": "one"}\n')
+    bad = in_process("ranks", str(flipped))
+    assert bad.returncode == 2 and "parity.jsonl:1" in bad.stderr and "Traceback" not in bad.stderr

@@ -162,7 +162,8 @@ def hangs(run: str, as_json: bool) -> None:
 @click.argument("run", type=click.Path(file_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="Print the stragglers as JSON.")
 def ranks(run: str, as_json: bool) -> None:
-    """Name a rank that is consistently slower than the others (RUN/ranks.jsonl), with what it cost the job."""
+    """Name a rank that is consistently slower than the others (RUN/ranks.jsonl), with what it cost the job, and
+    list the replicas that disagreed (RUN/parity.jsonl)."""
     from steadytrain.runs.ranks import stragglers
 
     rep = stragglers(Path(run))
@@ -172,6 +173,9 @@ def ranks(run: str, as_json: bool) -> None:
     click.echo(one_line(rep.sentence))
     for rank, ms in sorted(rep.ranks.items()):
         click.echo(f"  rank {rank}: {ms:.2f} ms per step of its own (data + forward, median)")
+    for p in rep.parity:
+        tensors = ", ".join(str(t) for t in p["tensors"][:5])
+        click.echo(one_line(f"replicas disagreed at step {p['step']}: rank {p['rank']} on {p.get('host')}: {tensors}"))
 
 
 @click.command("triage")

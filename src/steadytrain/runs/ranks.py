@@ -48,6 +48,8 @@ class RanksReport:
     sentence: str
     intervals: int = 0
     hosts: dict[int, str | None] = field(default_factory=dict)
+    parity: list[dict[str, Any]] = field(default_factory=list)
+    """``RUN/parity.jsonl``: each replica that disagreed (``step``, ``rank``, ``host``, ``tensors``)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -55,6 +57,7 @@ class RanksReport:
             "ranks": {str(r): ms for r, ms in sorted(self.ranks.items())},
             "sentence": self.sentence,
             "intervals": self.intervals,
+            "parity": list(self.parity),
         }
 
 
@@ -71,9 +74,10 @@ def _rows(path: Path) -> dict[int, dict[int, dict[str, Any]]]:
 def stragglers(run_dir: str | Path) -> RanksReport:
     """The straggler test of the module docstring over ``RUN/ranks.jsonl``."""
     run = open_run_dir(Path(run_dir))
-    path = run.path / "ranks.jsonl"
+    path, parity = run.path / "ranks.jsonl", _parity(run.path / "parity.jsonl")
     if not path.exists():
-        return RanksReport([], {}, "no rank times recorded (a run on one rank, or from before they were recorded)")
+        why = "no rank times recorded (a run on one rank, or from before they were recorded)"
+        return RanksReport([], {}, why, parity=parity)
     by_step = _rows(path)
     own: dict[int, list[float]] = defaultdict(list)
     slow: dict[int, list[float]] = defaultdict(list)
@@ -97,7 +101,20 @@ def stragglers(run_dir: str | Path) -> RanksReport:
         if len(costs) >= max(2, SHARE * n)
     ]
     ranks = {r: round(1e3 * statistics.median(v), 3) for r, v in own.items()}
-    return RanksReport(found, ranks, _sentence(found, n, len(ranks)), n, hosts)
+    return RanksReport(found, ranks, _sentence(found, n, len(ranks)), n, hosts, parity)
+
+
+def _parity(path: Path) -> list[dict[str, Any]]:
+    """``parity.jsonl``'s records, each checked (a damaged line is one error naming it)."""
+    if not path.exists():
+        return []
+    out = []
+    for line, row in read_jsonl(path, what="parity.jsonl"):
+        ok = isinstance(row, dict) and all(isinstance(row.get(k), int) for k in ("step", "rank"))
+        if not ok or not isinstance(row.get("tensors"), list):
+            raise UserError(f"{path}:{line}: not a parity record (it needs step, rank and tensors)")
+        out.append(row)
+    return out
 
 
 def _steps(by_step: dict[int, dict[int, dict[str, Any]]], rank: int) -> int:
