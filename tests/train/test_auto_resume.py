@@ -82,7 +82,7 @@ def test_a_foreign_directory_or_a_file_is_refused_and_left_alone(tmp_path, tiny_
     foreign.mkdir()
     (foreign / "cat.jpg").write_text("meow")
     proc = run_cli("train", "--auto-resume", "--run-dir", str(foreign), *sets(*_items(tiny_data)))
-    assert_user_error(proc, "--auto-resume", "not a steadytrain run directory", str(foreign))
+    assert_user_error(proc, "--auto-resume", "not a steadytrain run directory", "photos")  # a long path is shortened
     assert [p.name for p in foreign.iterdir()] == ["cat.jpg"] and not foreign.with_name("photos.restart-1").exists()
     a_file = tmp_path / "notes.txt"
     a_file.write_text("x")
