@@ -124,16 +124,17 @@ def test_hangs_on_a_run_without_hangs_and_on_bad_records(tmp_path, tiny_run):
 def _configs_worker(rank: int, world_size: int, out: Path) -> None:
     import torch
 
+    from steadytrain._mapping import flatten
     from steadytrain.errors import UserError
     from steadytrain.train.setup.distributed import DistInfo, same_everywhere
     from tests.dist_utils import save
 
     info = DistInfo(rank, world_size, rank, torch.device("cpu"), "gloo")
     same = {"batch": {"base_lr": 0.01, "micro_batch_size": 4}, "run": {"seed": 0}}
-    same_everywhere(info, same)  # equal everywhere: nothing said
+    same_everywhere(info, flatten(same))  # equal everywhere: nothing said
     other = {"batch": {"base_lr": 0.01 * (rank + 1), "micro_batch_size": 4}, "run": {"seed": 0}}
     try:
-        same_everywhere(info, other)
+        same_everywhere(info, flatten(other))
         error = None
     except UserError as err:
         error = str(err)

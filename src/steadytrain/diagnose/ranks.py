@@ -26,7 +26,7 @@ from typing import Any
 from steadytrain.accumulate import NonFiniteEvent
 from steadytrain.diagnose.stats import binomial_sf
 
-__all__ = ["RankStats", "flagged_shards", "rank_stats", "read_hosts", "suspect_hosts", "suspects"]
+__all__ = ["RankStats", "flagged_examples", "flagged_shards", "rank_stats", "read_hosts", "suspect_hosts", "suspects"]
 
 
 @dataclass
@@ -47,15 +47,21 @@ class RankStats:
     """Distinct shards its flagged examples came from."""
 
 
-def flagged_shards(event: NonFiniteEvent) -> list[int]:
-    """Shards of the examples this rank flagged in this event."""
+def flagged_examples(event: NonFiniteEvent) -> list[tuple[int, int]]:
+    """``(shard, index)`` of the examples this rank flagged in this event (a whole micro-batch when the model gave
+    no per-example losses)."""
     out = []
     for i, tag in enumerate(event.tags):
         if tag.get("nonfinite") is not None:
-            out += [tag["shard"][j] for j in tag["nonfinite"]]
+            out += [(tag["shard"][j], tag["index"][j]) for j in tag["nonfinite"]]
         elif i in event.nonfinite_micro_batches:
-            out += list(tag["shard"])
+            out += list(zip(tag["shard"], tag["index"], strict=True))
     return out
+
+
+def flagged_shards(event: NonFiniteEvent) -> list[int]:
+    """Shards of the examples this rank flagged in this event."""
+    return [shard for shard, _ in flagged_examples(event)]
 
 
 def rank_stats(

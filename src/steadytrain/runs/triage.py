@@ -31,7 +31,7 @@ from torch import nn
 from steadytrain.diagnose import read_ledger, report
 from steadytrain.diagnose.hunt import step_batch, take_rows
 from steadytrain.diagnose.ledger import LEDGER
-from steadytrain.diagnose.ranks import flagged_shards, read_hosts
+from steadytrain.diagnose.ranks import flagged_examples, read_hosts
 from steadytrain.errors import UserError
 from steadytrain.rundir.layout import open_run_dir
 from steadytrain.runs.replay import run_model
@@ -73,12 +73,9 @@ def _suspects(run_dir: Path, events: list) -> tuple[set[int], set[tuple[int, int
     rep = report(run_dir)
     examples, ranks = set(), []
     for event in events:
-        for i, tag in enumerate(event.tags):
-            if tag.get("nonfinite") is not None:
-                examples |= {(tag["shard"][j], tag["index"][j]) for j in tag["nonfinite"]}
-            elif i in event.nonfinite_micro_batches:
-                examples |= set(zip(tag["shard"], tag["index"], strict=True))
-        if flagged_shards(event) or event.nonfinite_micro_batches:
+        mine = flagged_examples(event)
+        examples |= set(mine)
+        if mine or event.nonfinite_micro_batches:
             ranks.append(event.rank)
     shards = set(rep.suspect_shards) if rep.verdict == "shard-selective" else set()
     return shards, examples, sorted(set(ranks)) or sorted({e.rank for e in events})

@@ -107,6 +107,8 @@ class Job:
     """Where the loop is (step, phase), for the hang watchdog: attribute writes only."""
     watchdog: Watchdog | None = None
     """The hang watchdog's thread (``distributed.watchdog_s``), or None."""
+    hosts: list[str | None] | None = None
+    """Every rank's hostname, on rank 0 (from the environment gather at start); None on other ranks."""
 
     @property
     def compile_s(self) -> float | None:

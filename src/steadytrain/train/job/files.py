@@ -162,14 +162,16 @@ def check_environment(cfg: TrainConfig, info: DistInfo) -> Any:
     return manifest
 
 
-def record_environment(info: DistInfo, run: RunDir, manifest: Any, *, resume: bool) -> None:
-    """Rank 0 writes its manifest; ranks whose image or host differ are reported by rank and field."""
+def record_environment(info: DistInfo, run: RunDir, manifest: Any, *, resume: bool) -> list[str | None] | None:
+    """Rank 0 writes its manifest; ranks whose image or host differ are reported by rank and field. Returns every
+    rank's hostname on rank 0 (from the same gather; None on other ranks), for the records that name a rank's host."""
     from steadytrain.env import compare_ranks, gather_manifests
 
     # a collective (every rank sends its manifest): rank 0 compares every rank's image and host with its own
     manifests = gather_manifests(manifest)
+    hosts = [m.host.get("hostname") for m in manifests] if manifests else None
     if not info.is_main or resume:
-        return
+        return hosts
     run.write_json(run.env, manifest.to_dict())
     differing = compare_ranks(manifests) if manifests else {}
     if differing:
@@ -178,6 +180,7 @@ def record_environment(info: DistInfo, run: RunDir, manifest: Any, *, resume: bo
         for r, diffs in differing.items():
             fields = "; ".join(f"{d.path}: {d.a} vs {d.b}" for d in diffs[:5])
             log.warning("rank %d differs from rank 0: %s", r, fields)
+    return hosts
 
 
 def truncate_logs(run: RunDir, step: int, *, rollbacks: int | None) -> None:

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from steadytrain._io import write_text_atomic
+from steadytrain._mapping import flatten
 from steadytrain.accumulate import NonFiniteGradientError
 from steadytrain.accumulate.events import SPIKE
 from steadytrain.errors import UserError
@@ -107,7 +108,7 @@ class _Where:
 
 def _build(cfg: TrainConfig, info: DistInfo, where: _Where, signals: contextlib.ExitStack) -> Job:
     """The whole job, before its first step: pieces, run directory, state, writer, a resume restored, metrics."""
-    same_everywhere(info, cfg.to_dict())  # before anything is built from it: one gather, at start
+    same_everywhere(info, flatten(cfg.to_dict()))  # before anything is built from it: one gather, at start
     p = build_pieces(cfg, info)
     manifest = runfiles.check_environment(cfg, info)  # before anything is written: a refusal leaves no run dir
     if where.auto_resume:  # rank 0 looks at the run directory; every rank gets its decision
@@ -129,7 +130,7 @@ def _build(cfg: TrainConfig, info: DistInfo, where: _Where, signals: contextlib.
         writer.guard(p.optimizer)  # an asynchronous save's copy of the state completes before the next update
         hyper = hyperparameters(p.optimizer)  # the config's settings, before a checkpoint's replace them
         # a gather: rank 0 compares every rank's image and host with its own (a differing rank is named at start)
-        runfiles.record_environment(info, run, manifest, resume=where.resume is not None)
+        hosts = runfiles.record_environment(info, run, manifest, resume=where.resume is not None)
         if where.resume is not None:
             parts = Restorable(p.model, p.optimizer, p.acc.scheduler, state, hyper, info, cfg.run)
             _resume(parts, run, validation, spikes, ResumeRecord(cfg, p.plan, p.held, changes), where.auto_resume)
@@ -147,7 +148,7 @@ def _build(cfg: TrainConfig, info: DistInfo, where: _Where, signals: contextlib.
         state=state, writer=writer, spikes=spikes, metrics=start_metrics(cfg, info, p.plan, run, state, spikes, meter),
         stop=signals.enter_context(StopRequest(info)),  # its handlers until the job has ended (end_job)
         held_out=p.held, hyper=hyper, validation=validation, lock=lock, changes=changes, compiled=p.compiled,
-        stop_after=where.stop_after, beat=Beat(state.step),
+        stop_after=where.stop_after, beat=Beat(state.step), hosts=hosts,
     )  # fmt: skip
     job.watchdog = start_watchdog(cfg.distributed.watchdog_s, info, run.path, job.beat)
     if spikes.decides:  # the flag is read with the gradient norm, in the step's one host read

@@ -15,15 +15,15 @@ it) and stops the run with a checkpoint and a report line. FSDP holds shards, no
 from __future__ import annotations
 
 import logging
-import socket
 from collections import Counter
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from steadytrain._io import append_jsonl
 from steadytrain.train.job.core import Job
+from steadytrain.train.job.ranks import host
+from steadytrain.train.observe.throughput import unwrap
 
 __all__ = ["check_parity", "parity_due"]
 
@@ -42,8 +42,7 @@ def parity_due(job: Job) -> bool:
 
 
 def _named(job: Job) -> list[tuple[str, torch.Tensor]]:
-    model = job.model.module if hasattr(job.model, "module") else job.model
-    return [(n, p) for n, p in model.named_parameters()]
+    return list(unwrap(job.model).named_parameters())  # the user's names, without DDP's or compile's prefix
 
 
 def _checksums(params: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
@@ -69,13 +68,11 @@ def check_parity(job: Job) -> str | None:
     if not bad:
         return None
     n = len(params)
-    hosts: list[Any] = [None] * job.info.world_size
-    dist.all_gather_object(hosts, socket.gethostname())  # only when they disagree (every rank sees the same table)
     for rank in bad:
         pairs = zip(table[rank], reference, strict=True)
         differ = sorted({params[i % n][0] for i, (a, b) in enumerate(pairs) if a != b})
         if job.info.is_main:
-            record = {"step": job.state.step, "rank": rank, "host": hosts[rank], "tensors": differ}
+            record = {"step": job.state.step, "rank": rank, "host": host(job, rank), "tensors": differ}
             append_jsonl(job.run.path / "parity.jsonl", record | ({"tie": True} if tie else {}))
             log.warning(
                 "replicas disagree at step %d: rank %d differs from %s in %s",

@@ -11,16 +11,13 @@ collectives; ``steadytrain ranks RUN`` (:mod:`steadytrain.runs.ranks`) reads the
 
 from __future__ import annotations
 
-import socket
-from typing import Any
-
 import torch
 import torch.distributed as dist
 
 from steadytrain._io import append_jsonl
 from steadytrain.train.job.core import Job
 
-__all__ = ["PHASES", "record_rank_times"]
+__all__ = ["PHASES", "host", "record_rank_times"]
 
 PHASES = ("data", "forward", "backward", "all_reduce")
 
@@ -30,10 +27,6 @@ def record_rank_times(job: Job) -> None:
     if job.info.backend is None or job.info.world_size < 2:
         return
     beat = job.beat
-    if beat.hosts is None:
-        hosts: list[Any] = [None] * job.info.world_size
-        dist.all_gather_object(hosts, socket.gethostname())  # once per job: which machine each rank is
-        beat.hosts = hosts
     spent = beat.take()
     steps = job.state.step - (beat.last_step if beat.last_step is not None else job.state.step - job.cfg.run.log_every)
     beat.last_step = job.state.step
@@ -44,8 +37,13 @@ def record_rank_times(job: Job) -> None:
         return
     table = torch.stack(every).cpu().tolist()  # host read, once per interval, on rank 0 only
     rows = [
-        {"step": job.state.step, "rank": r, "host": beat.hosts[r], "steps": steps}
+        {"step": job.state.step, "rank": r, "host": host(job, r), "steps": steps}
         | {f"{p}_s": round(v, 6) for p, v in zip(PHASES, values, strict=True)}
         for r, values in enumerate(table)
     ]
     append_jsonl(job.run.path / "ranks.jsonl", *rows)
+
+
+def host(job: Job, rank: int) -> str | None:
+    """Rank ``rank``'s hostname (rank 0 has every rank's, from the environment gather at start)."""
+    return job.hosts[rank] if job.hosts and rank < len(job.hosts) else None

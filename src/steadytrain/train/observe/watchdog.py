@@ -69,8 +69,6 @@ class Beat:
     phase: str = "start"
     spent: dict[str, float] = field(default_factory=dict)
     since: float = field(default_factory=time.perf_counter)
-    hosts: list[Any] | None = None
-    """Every rank's host, once gathered (``ranks.jsonl``)."""
     last_step: int | None = None
     """The step of the last :meth:`take` by ``ranks.jsonl``'s recorder."""
 

@@ -172,10 +172,10 @@ def agree(info: DistInfo, error: str | None, where: str = "at start") -> None:
 
 def same_everywhere(info: DistInfo, settings: dict[str, Any], what: str = "config") -> None:
     """Refuse, on every rank, settings that differ between ranks (two agents started with different configs
-    would train replicas that silently drift apart): one gather of the flat ``settings`` at start."""
+    would train replicas that silently drift apart): one gather of the flat ``settings`` (``{"a.b": value}``)."""
     if info.backend is None:
         return
-    mine = _flat(settings)
+    mine = {k: repr(v) for k, v in settings.items()}
     every: list[Any] = [None] * info.world_size
     dist.all_gather_object(every, mine)  # once, at start: every rank's settings, compared on every rank
     error = None
@@ -190,9 +190,3 @@ def same_everywhere(info: DistInfo, settings: dict[str, Any], what: str = "confi
             break
     if error is not None:
         raise UserError(error)
-
-
-def _flat(value: Any, prefix: str = "") -> dict[str, str]:
-    if isinstance(value, dict):
-        return {k: v for key, item in value.items() for k, v in _flat(item, f"{prefix}{key}.").items()}
-    return {prefix.rstrip("."): repr(value)}
