@@ -3,6 +3,9 @@
 ``tiny_run``: ``tiny_run(*items) -> Path``, a finished TINY run on a small text dataset (``tiny_data``), trained
 once per distinct ``items`` for the whole session (per worker); a test that changes it works on ``copy_run(run, ...)``.
 
+``planted``: the runs of :mod:`tests.planted` (a cause planted on rank 1 of 2 gloo ranks, and a clean run), trained
+once per session on one spawned pair.
+
 ``cli``: runs ``steadytrain.cli.main(argv)`` in the test process (no 3.5 s of imports per launch) and
 returns the exit code, stdout and stderr (:func:`tests.cli_utils.in_process`, which puts back what a command
 changes in the process: environment, ``sys.path``, torch's determinism flag, threads and random state,
@@ -93,3 +96,11 @@ def tiny_run(tmp_path_factory, tiny_data):
         return runs[items]
 
     return run
+
+
+@pytest.fixture(scope="session")
+def planted(tmp_path_factory):
+    """:class:`tests.planted.Planted`: the planted-cause runs, trained the first time a test asks for them."""
+    from tests.planted import train_planted
+
+    return train_planted(tmp_path_factory.mktemp("planted"))

@@ -93,3 +93,19 @@ def test_every_run_command_launched_on_a_missing_run_is_one_line_and_exit_2(tmp_
         assert result.returncode == 2, (command, result.stderr)
         assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
         assert "no-such-run" in result.stderr, (command, result.stderr)
+
+
+def test_a_missing_run_is_refused_before_torch_is_imported(tmp_path):
+    """A mistyped RUN answers at once: no command that reads a run imports torch (seconds) to say it is missing."""
+    missing = str(tmp_path / "no-such-run")
+    fill = {"{missing}": missing, "{out}": str(tmp_path / "model.safetensors")}
+    argvs = [[fill.get(a, a) for a in command] + [missing] for command in RUN_COMMANDS]
+    code = (
+        "import json, sys\nfrom steadytrain.cli import main\nout = []\n"
+        f"for argv in {argvs!r}:\n    out.append([main(argv), 'torch' in sys.modules])\n"
+        "print(json.dumps(out))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got == [[2, False]] * len(RUN_COMMANDS), list(zip(RUN_COMMANDS, got, strict=True))

@@ -1,6 +1,6 @@
 """The hang watchdog on real ranks: a rank that stops is named with its phase and line, the job exits for torchrun
 to restart it, and the restart (``--auto-resume``) finishes the run with every step once. A rank that is slow but
-moves is no hang.
+moves is no hang (:mod:`tests.planted`'s run).
 
 The oracle is the planted hang: the test's model sleeps on rank 1 in the forward of step 5 (once: a marker file),
 so the watchdog must name rank 1, ``forward``, and the model file's sleeping line.
@@ -14,12 +14,11 @@ from pathlib import Path
 import pytest
 
 from tests.cli_utils import in_process, launched
-from tests.dist_utils import cli_on_ranks
 from tests.train_utils import bigram_module, metrics, sets, write_text_dataset
 
 _SLEEPY = bigram_module(
-    doc="""A bigram LM; on rank 1 its forward number SLEEP_AT sleeps SLEEP_S (once per SLEEP_MARKER, when set), its
-    forward number CRASH_AT ends the process (exit 3), and with SLEEP_EVERY_S every forward sleeps that long.""",
+    doc="""A bigram LM; on rank 1 its forward number SLEEP_AT sleeps SLEEP_S (once per SLEEP_MARKER, when set), and its
+    forward number CRASH_AT ends the process (exit 3).""",
     hook="""
     rank1 = os.environ.get("RANK") == "1"
     marker = os.environ.get("SLEEP_MARKER")
@@ -28,8 +27,6 @@ _SLEEPY = bigram_module(
         time.sleep(float(os.environ["SLEEP_S"]))  # SLEEPING LINE
     if rank1 and os.environ.get("CRASH_AT") and self.calls == int(os.environ["CRASH_AT"]):
         os._exit(3)  # a faulty node, every attempt
-    if rank1 and os.environ.get("SLEEP_EVERY_S"):
-        time.sleep(float(os.environ["SLEEP_EVERY_S"]))
     """,
 )
 _LINE = next(i for i, line in enumerate(_SLEEPY.splitlines(), start=1) if "SLEEPING LINE" in line)
@@ -92,13 +89,9 @@ def test_a_rank_that_stops_is_named_and_the_restart_finishes_every_step_once(sle
 
 
 @pytest.mark.distributed
-def test_a_slow_rank_that_moves_is_no_hang(sleepy, tmp_path):
-    pkg, data = sleepy
-    run = tmp_path / "run"
-    argv = ["train", "--run-dir", run, *sets(*ITEMS, f"data.path={data}", "distributed.watchdog_s=3")]
-    # rank 1 sleeps 0.4 s in each forward: 0.8 s a step, each step well inside the watchdog's 3 s
-    (results,) = cli_on_ranks(tmp_path, [argv], PYTHONPATH=str(pkg), SLEEP_EVERY_S="0.4")
-    for proc in results:
+def test_a_slow_rank_that_moves_is_no_hang(planted):
+    run = planted.runs["moving"]  # rank 1 sleeps 0.4 s in each forward: 0.8 s a step, inside the watchdog's 3 s
+    for proc in planted.results["moving"]:
         assert proc.returncode == 0, proc.stderr[-3000:]
     assert not (run / "hangs").exists()
     assert [r["step"] for r in metrics(run)] == list(range(1, 9))

@@ -1,6 +1,7 @@
 """Stragglers: each rank's time per phase in ``RUN/ranks.jsonl``, and ``steadytrain ranks`` naming a rank that is
 consistently slower. Oracles: a planted delay (the test's model sleeps 50 ms per step on rank 1) on 2 gloo ranks,
-a clean run of the same config, and rows built by hand whose excess and cost follow by arithmetic."""
+a clean run of the same model and data (both :mod:`tests.planted`'s), and rows built by hand whose excess and cost
+follow by arithmetic."""
 
 from __future__ import annotations
 
@@ -10,43 +11,13 @@ import pytest
 
 from steadytrain.runs.ranks import stragglers
 from tests.cli_utils import in_process
-from tests.dist_utils import cli_on_ranks
-from tests.train_utils import bigram_module, sets, write_text_dataset
-
-_SLOW = bigram_module(
-    doc="A bigram LM whose forward sleeps ``slow_ms`` on rank 1 (per micro-batch).",
-    hook="""
-    if os.environ.get("RANK") == "1" and float(self.kw.get("slow_ms", 0)):
-        time.sleep(float(self.kw["slow_ms"]) / 1e3)
-    """,
-)
-
-ITEMS = [
-    "model.name=slow:factory",
-    "data.seq_len=32",
-    "batch.micro_batch_size=4",
-    "batch.global_batch_size=16",
-    "batch.base_batch_size=16",
-    "run.max_steps=12",
-    "run.log_every=2",
-    "checkpoint.every_steps=100",
-]
-"""12 steps of 2 micro-batches per rank, a row per rank every 2 steps: 6 intervals."""
 
 
 @pytest.mark.distributed
-def test_a_rank_sleeping_50_ms_a_step_is_named_and_a_clean_run_names_nobody(tmp_path):
-    pkg = tmp_path / "pkg"
-    pkg.mkdir()
-    (pkg / "slow.py").write_text(_SLOW)
-    data = write_text_dataset(tmp_path / "data", [40] * 8)
-    slow, clean = tmp_path / "slow", tmp_path / "clean"
-    commands = [
-        ["train", "--run-dir", slow, *sets(*ITEMS, f"data.path={data}", "model.slow_ms=25")],  # 2 x 25 ms a step
-        ["train", "--run-dir", clean, *sets(*ITEMS, f"data.path={data}")],
-    ]
-    for result in cli_on_ranks(tmp_path, commands, PYTHONPATH=str(pkg)):
-        assert [p.returncode for p in result] == [0, 0], result[0].stderr[-3000:]
+def test_a_rank_sleeping_50_ms_a_step_is_named_and_a_clean_run_names_nobody(planted):
+    slow, clean = planted.runs["slow"], planted.runs["clean"]  # 12 steps, a row per rank every 2: 6 intervals
+    for name in ("slow", "clean"):
+        assert [p.returncode for p in planted.results[name]] == [0, 0], planted.results[name][0].stderr[-3000:]
 
     rows = [json.loads(x) for x in (slow / "ranks.jsonl").read_text().splitlines()]
     assert [(r["step"], r["rank"]) for r in rows] == [(s, r) for s in range(2, 13, 2) for r in (0, 1)]

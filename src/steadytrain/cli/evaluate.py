@@ -9,9 +9,11 @@ from pathlib import Path
 
 import click
 
+from steadytrain.cli._common import run_argument
+
 
 @click.command("eval")
-@click.argument("run", type=click.Path(file_okay=False))
+@run_argument
 @click.option("--step", type=click.IntRange(1), default=None, help="The checkpoint's step (default: the latest).")
 @click.option(
     "--data", type=click.Path(file_okay=False), default=None, help="Evaluate on this dataset instead of RUN's own."
@@ -36,7 +38,7 @@ def eval_cmd(run: str, step: int | None, data: str | None, as_json: bool) -> Non
 
 
 @click.command("export")
-@click.argument("run", type=click.Path(file_okay=False))
+@run_argument
 @click.option("--step", type=click.IntRange(1), default=None, help="The checkpoint's step (default: the latest).")
 @click.option(
     "--format", "fmt", type=click.Choice(["safetensors", "hf"]), default="safetensors", show_default=True,

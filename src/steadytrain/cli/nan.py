@@ -11,6 +11,8 @@ from typing import Any
 
 import click
 
+from steadytrain.cli._common import run_argument
+
 
 def _json(data: Any) -> None:
     click.echo(json.dumps(data, indent=2, allow_nan=False, default=str))
@@ -57,7 +59,7 @@ def nan() -> None:
 
 
 @nan.command("report")
-@click.argument("run", type=click.Path(file_okay=False))
+@run_argument
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def report_cmd(run: str, as_json: bool) -> None:
     """Attribute RUN's non-finite steps to shards: shard-selective (data first) or spread (LR, clipping, precision)."""
@@ -72,7 +74,7 @@ def report_cmd(run: str, as_json: bool) -> None:
 
 
 @nan.command("hunt")
-@click.argument("run", type=click.Path(file_okay=False))
+@run_argument
 @click.option("--shard", type=click.IntRange(0), default=None, help="The shard to replay (from `nan report`).")
 @click.option("--checkpoint", type=click.Path(), default=None, help="The checkpoint whose weights to use.")
 @click.option("--step", type=click.IntRange(1), default=None, help="Replay this optimizer step's global batch.")

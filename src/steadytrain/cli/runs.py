@@ -12,6 +12,7 @@ from typing import Any
 import click
 
 from steadytrain._text import one_line
+from steadytrain.cli._common import run_argument
 
 
 def _json(data: Any) -> None:
@@ -46,7 +47,7 @@ def _stopped_by_signal() -> Iterator[None]:
 
 
 @click.command("report")
-@click.argument("run", type=click.Path(file_okay=False))
+@run_argument
 def report(run: str) -> None:
     """Write RUN/plots/*.png and RUN/summary.md (loss, LR, grad norm, throughput; plan, environment)."""
     from steadytrain.runs import report as write_report
@@ -95,7 +96,7 @@ def compare(run_a: str, run_b: str, as_json: bool, plot: str | None) -> None:
 
 
 @click.command("repro")
-@click.argument("run", type=click.Path(file_okay=False))
+@run_argument
 @click.option("--steps", type=click.IntRange(1), default=None, help="Optimizer steps to re-run (default 20).")
 @click.option("--out", type=click.Path(file_okay=False), default=None, help="Keep the re-run in this new directory.")
 @click.option("--json", "as_json", is_flag=True, help="Print the verdict as JSON.")
@@ -139,7 +140,7 @@ def sweep(config: str | None, factors: str, steps: int, overrides: tuple[str, ..
 
 
 @click.command("hangs")
-@click.argument("run", type=click.Path(file_okay=False))
+@run_argument
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (a list of hangs).")
 def hangs(run: str, as_json: bool) -> None:
     """List the hangs the watchdog recorded in RUN: step, the stuck ranks, their phase, host and frame."""
@@ -159,7 +160,7 @@ def hangs(run: str, as_json: bool) -> None:
 
 
 @click.command("ranks")
-@click.argument("run", type=click.Path(file_okay=False))
+@run_argument
 @click.option("--json", "as_json", is_flag=True, help="Print the stragglers as JSON.")
 def ranks(run: str, as_json: bool) -> None:
     """Name a rank that is consistently slower than the others (RUN/ranks.jsonl), with what it cost the job, and
@@ -179,7 +180,7 @@ def ranks(run: str, as_json: bool) -> None:
 
 
 @click.command("triage")
-@click.argument("run", type=click.Path(file_okay=False))
+@run_argument
 @click.option("--step", type=int, required=True, help="The refused optimizer step to replay (nan report lists them).")
 @click.option("--json", "as_json", is_flag=True, help="Print the verdict and the replays as JSON.")
 def triage(run: str, step: int, as_json: bool) -> None:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import click
 
+from steadytrain.cli._common import run_argument
 from steadytrain.cli.nan import _json, _print_hunt, _print_report, demo
 
 
@@ -17,7 +18,7 @@ def spikes() -> None:
 
 
 @spikes.command("report")
-@click.argument("run", type=click.Path(file_okay=False))
+@run_argument
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def report_cmd(run: str, as_json: bool) -> None:
     """Attribute RUN's loss spikes to shards: shard-selective (data first) or spread (LR, clipping, precision)."""
@@ -32,7 +33,7 @@ def report_cmd(run: str, as_json: bool) -> None:
 
 
 @spikes.command("hunt")
-@click.argument("run", type=click.Path(file_okay=False))
+@run_argument
 @click.option("--shard", type=click.IntRange(0), default=None, help="The shard to look into (from `spikes report`).")
 @click.option("--checkpoint", type=click.Path(), default=None, help="The checkpoint whose weights to use.")
 @click.option("--step", type=click.IntRange(1), default=None, help="Look into this optimizer step's global batch.")
