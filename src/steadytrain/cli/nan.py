@@ -11,6 +11,7 @@ from typing import Any
 
 import click
 
+from steadytrain._text import one_line
 from steadytrain.cli._common import run_argument
 
 
@@ -19,7 +20,7 @@ def _json(data: Any) -> None:
 
 
 def _print_report(rep: Any, limit: int = 5, flagged: str = "non-finite") -> None:
-    click.echo(rep.sentence)
+    click.echo(one_line(rep.sentence))  # a host name from the ledger may hold a newline or a terminal escape
     rows = [s for s in rep.shards if s.events][:limit]
     for s in rows:
         rate = f"{s.rate:.3g}" if s.rate is not None else "n/a"

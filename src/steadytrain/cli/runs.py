@@ -175,8 +175,9 @@ def ranks(run: str, as_json: bool) -> None:
     for rank, ms in sorted(rep.ranks.items()):
         click.echo(f"  rank {rank}: {ms:.2f} ms per step of its own (data + forward, median)")
     for p in rep.parity:
-        tensors = ", ".join(str(t) for t in p["tensors"][:5])
-        click.echo(one_line(f"replicas disagreed at step {p['step']}: rank {p['rank']} on {p.get('host')}: {tensors}"))
+        more, on = len(p["tensors"]) - 5, f" on {p['host']}" if p.get("host") else ""
+        tensors = ", ".join(p["tensors"][:5]) + (f" and {more} more (--json lists all)" if more > 0 else "")
+        click.echo(one_line(f"replicas disagreed at step {p['step']}: rank {p['rank']}{on}: {tensors}"))
 
 
 @click.command("triage")
@@ -197,4 +198,5 @@ def triage(run: str, step: int, as_json: bool) -> None:
     for r in found.replays:
         loss = "n/a" if r["loss"] is None else f"{r['loss']:.6g}"
         extra = f", bitwise equal: {r['bitwise_equal']}" if "bitwise_equal" in r else ""
-        click.echo(f"  {r['variant']}: loss {loss}, finite {r['finite']}{extra}")
+        finite = "n/a (not replayed)" if r["finite"] is None else r["finite"]
+        click.echo(f"  {r['variant']}: loss {loss}, finite {finite}{extra}")

@@ -10,9 +10,10 @@ computed them, ``k_r`` would be (bounded by) ``Binomial(n, q_r)``; a rank is a s
 ``P(X >= k_r)``, Bonferroni-corrected over the ranks tested, is below :data:`~.report.ALPHA` **and** its flagged
 examples came from at least two shards: a bad shard read by one rank would otherwise incriminate that rank, while
 trouble that follows one rank across shards is the rank's (its device or its host), not the data's. Hosts: the same
-test with each host's ranks pooled (each rank's ledger lines say its host). The verdict is ``rank-selective`` when
-the suspect ranks are involved in at least half of the refused steps; it comes before ``shard-selective``, since a
-faulty rank concentrates its flags on whichever shards it happened to read.
+test with each host's ranks pooled (each ledger line names the host that computed it: a rank resumed on another
+machine counts for each of its hosts in turn). The verdict is ``rank-selective`` when the suspect ranks are involved
+in at least half of the refused steps; it comes before ``shard-selective``, since a faulty rank concentrates its flags
+on whichever shards it happened to read.
 """
 
 from __future__ import annotations
@@ -26,7 +27,16 @@ from typing import Any
 from steadytrain.accumulate import NonFiniteEvent
 from steadytrain.diagnose.stats import binomial_sf
 
-__all__ = ["RankStats", "flagged_examples", "flagged_shards", "rank_stats", "read_hosts", "suspect_hosts", "suspects"]
+__all__ = [
+    "RankStats",
+    "flagged_examples",
+    "flagged_shards",
+    "host_key",
+    "rank_stats",
+    "read_hosts",
+    "suspect_hosts",
+    "suspects",
+]
 
 
 @dataclass
@@ -34,7 +44,8 @@ class RankStats:
     """One rank's (or host's) share of the flagged examples against its share of the examples in play."""
 
     rank: int | str
-    """The rank (an int), or the host (a str) for the pooled test."""
+    """The rank (an int), or the host (a str) for the pooled test (there, a ledger line without a host counts for
+    its rank)."""
     events: int
     """Refused steps in which it flagged an example."""
     flagged: int
@@ -65,17 +76,17 @@ def flagged_shards(event: NonFiniteEvent) -> list[int]:
 
 
 def rank_stats(
-    events: list[tuple[int, NonFiniteEvent]], key: dict[int, Any] | None = None
+    events: list[tuple[int, NonFiniteEvent]], key: dict[tuple, str] | None = None
 ) -> tuple[list[RankStats], int]:
-    """The test of the module docstring per rank (``key`` maps a rank to the unit tested: its host), and how many
-    localized refused steps it weighed."""
-    unit = (lambda r: r) if key is None else (lambda r: key.get(r, f"rank {r}"))
+    """The test of the module docstring per rank (``key``: :func:`read_hosts`'s hosts, to test each host: a line
+    without one is its rank's own unit), and how many localized refused steps it weighed."""
+    unit = (lambda s, e: e.rank) if key is None else (lambda s, e: key.get(host_key(s, e), e.rank))
     play: dict[Any, Counter] = defaultdict(Counter)
     flags: dict[Any, dict[Any, list[int]]] = defaultdict(lambda: defaultdict(list))
     for step, event in events:
         where = (step, event.batch)
-        play[where][unit(event.rank)] += sum(len(t["shard"]) for t in event.tags)
-        flags[where][unit(event.rank)] += flagged_shards(event)
+        play[where][unit(step, event)] += sum(len(t["shard"]) for t in event.tags)
+        flags[where][unit(step, event)] += flagged_shards(event)
     localized = [w for w in play if any(flags[w].values())]
     units = sorted({u for w in play for u in play[w]}, key=str)
     n = sum(len(v) for w in localized for v in flags[w].values())
@@ -97,9 +108,15 @@ def suspects(stats: list[RankStats], alpha: float) -> list[RankStats]:
     return [s for s in stats if s.p_value < cut and s.flagged > s.expected and s.shards >= 2]
 
 
-def read_hosts(run_dir: Path, ledger: str) -> dict[int, str]:
-    """Each rank's host, from its own ledger lines (``host``; lines written before it was recorded have none)."""
-    hosts: dict[int, str] = {}
+def host_key(step: int, event: NonFiniteEvent) -> tuple[int, int, int | None]:
+    """Where :func:`read_hosts` keeps the host of ``event``'s ledger line."""
+    return step, event.rank, event.batch
+
+
+def read_hosts(run_dir: Path, ledger: str) -> dict[tuple[int, int, int | None], str]:
+    """The host of each ledger line (``host``; lines written before it was recorded have none), keyed by
+    :func:`host_key`: a rank's host can change during a run (a resume on other machines)."""
+    hosts: dict[tuple[int, int, int | None], str] = {}
     path = Path(run_dir) / ledger
     if not path.is_file():
         return hosts
@@ -109,15 +126,20 @@ def read_hosts(run_dir: Path, ledger: str) -> dict[int, str]:
                 record = json.loads(line)
             except ValueError:
                 continue  # the ledger's own reader has said what is wrong with it
-            if isinstance(record, dict) and isinstance(record.get("rank"), int) and isinstance(record.get("host"), str):
-                hosts.setdefault(record["rank"], record["host"])
+            if not isinstance(record, dict) or not isinstance(record.get("host"), str):
+                continue
+            where = (record.get("step"), record.get("rank"), record.get("batch"))
+            if all(isinstance(k, int) for k in where[:2]) and isinstance(where[2], int | None):
+                hosts.setdefault(where, record["host"])
     return hosts
 
 
-def suspect_hosts(events: list[tuple[int, NonFiniteEvent]], hosts: dict[int, str], ranks: list[int], alpha: float):
-    """The hosts of the suspect ranks, and any host the pooled test finds beyond chance."""
-    found = {hosts[r] for r in ranks if r in hosts}
+def suspect_hosts(
+    events: list[tuple[int, NonFiniteEvent]], hosts: dict[tuple, str], ranks: list[int], alpha: float
+) -> list[str]:
+    """The hosts the suspect ranks flagged examples on, and any host the pooled test finds beyond chance."""
+    found = {hosts[k] for s, e in events if e.rank in ranks and flagged_shards(e) and (k := host_key(s, e)) in hosts}
     if len(set(hosts.values())) > 1:
         stats, _ = rank_stats(events, hosts)
-        found |= {str(s.rank) for s in suspects(stats, alpha)}
+        found |= {s.rank for s in suspects(stats, alpha) if isinstance(s.rank, str)}  # a line without a host: no host
     return sorted(found)

@@ -13,19 +13,23 @@ other rank waited for it.
 from __future__ import annotations
 
 import statistics
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from steadytrain._io import read_jsonl
+from steadytrain._text import brief
 from steadytrain.errors import UserError
 from steadytrain.rundir.layout import open_run_dir
 
 __all__ = ["ABS_S", "REL", "SHARE", "RanksReport", "stragglers"]
 
 REL, ABS_S, SHARE = 0.25, 0.010, 0.8
-_KEYS = ("step", "rank", "steps", "data_s", "forward_s", "backward_s", "all_reduce_s")
+_TIMES = ("data_s", "forward_s", "backward_s", "all_reduce_s")
+_MAX_S = 1e9
+"""Seconds in one interval above which a value is not a measured time (31 years): the file is damaged."""
+_MAX_STEP = 2**63 - 1
 
 
 @dataclass
@@ -61,14 +65,53 @@ class RanksReport:
         }
 
 
+def _is_int(value: Any, low: int, high: int = _MAX_STEP) -> bool:
+    return type(value) is int and low <= value <= high  # JSON's true and false are not numbers here
+
+
+def _bad_key(row: Any) -> str | None:
+    """The first key of a rank-times row that is missing or out of range (None: the row is sound)."""
+    if not isinstance(row, dict):
+        return "the row"
+    if not _is_int(row.get("step"), 1):
+        return "step"
+    if not _is_int(row.get("rank"), 0):
+        return "rank"
+    if not _is_int(row.get("steps"), 1, row["step"]):
+        return "steps"
+    for key in _TIMES:
+        value = row.get(key)
+        if type(value) not in (int, float) or not 0 <= value <= _MAX_S:
+            return key
+    return None if row.get("host") is None or isinstance(row.get("host"), str) else "host"
+
+
 def _rows(path: Path) -> dict[int, dict[int, dict[str, Any]]]:
     by_step: dict[int, dict[int, dict[str, Any]]] = defaultdict(dict)
+    lines: dict[tuple[int, int], int] = {}
     for line, row in read_jsonl(path, what="ranks.jsonl"):
-        bad = not isinstance(row, dict) or any(not isinstance(row.get(k), int | float) for k in _KEYS)
-        if bad or row["steps"] <= 0:
-            raise UserError(f"{path}:{line}: not a rank-times row (it needs {', '.join(_KEYS)}; steps > 0)")
-        by_step[int(row["step"])][int(row["rank"])] = row
+        if (key := _bad_key(row)) is not None:
+            value = brief(row if key == "the row" else row.get(key))
+            raise UserError(
+                f"{path}:{line}: {key} = {value}: not a rank-times row (step, rank and steps are integers, "
+                "1 <= steps <= step; data_s, forward_s, backward_s and all_reduce_s are seconds, 0 or more; host is "
+                "a string): the file is damaged: correct or remove that line"
+            )
+        first = lines.setdefault((row["step"], row["rank"]), line)
+        if first != line:  # one row per rank per interval: a second one would silently replace the first
+            raise UserError(
+                f"{path}:{line}: rank {row['rank']} at step {row['step']} is on line {first} too: the file is "
+                "damaged (rows appended twice?): remove one of them"
+            )
+        by_step[row["step"]][row["rank"]] = row
     return by_step
+
+
+def _median_without(ordered: list[float], i: int) -> float:
+    """The median of ``ordered`` (sorted) without its element at position ``i``: no new list per rank."""
+    n = len(ordered) - 1
+    at = lambda j: ordered[j if j < i else j + 1]  # noqa: E731
+    return at(n // 2) if n % 2 else (at(n // 2 - 1) + at(n // 2)) / 2
 
 
 def stragglers(run_dir: str | Path) -> RanksReport:
@@ -82,26 +125,31 @@ def stragglers(run_dir: str | Path) -> RanksReport:
     own: dict[int, list[float]] = defaultdict(list)
     slow: dict[int, list[float]] = defaultdict(list)
     hosts: dict[int, str | None] = {}
+    slow_hosts: dict[int, Counter] = defaultdict(Counter)
     for rows in by_step.values():
         per_step = {r: (row["data_s"] + row["forward_s"]) / row["steps"] for r, row in rows.items()}
-        for r, row in rows.items():
+        order = sorted(per_step, key=per_step.__getitem__)
+        ordered = [per_step[r] for r in order]
+        for i, r in enumerate(order):
+            row = rows[r]
             hosts[r] = row.get("host")
             own[r].append(per_step[r])
-            others = [v for q, v in per_step.items() if q != r]
-            if not others:
+            if len(ordered) < 2:
                 continue
-            base = statistics.median(others)
+            base = _median_without(ordered, i)
             excess = per_step[r] - base
             if excess > max(REL * base, ABS_S):
                 slow[r].append(excess * row["steps"])
+                slow_hosts[r][row.get("host")] += 1  # a rank moved to other machines (a resume) keeps its slow one
     n = len(by_step)
     found = [
-        Straggler(r, hosts.get(r), len(costs), n, round(1e3 * sum(costs) / _steps(by_step, r), 3), round(sum(costs), 3))
+        _straggler(r, costs, n, slow_hosts[r].most_common(1)[0][0], by_step)
         for r, costs in sorted(slow.items())
         if len(costs) >= max(2, SHARE * n)
     ]
     ranks = {r: round(1e3 * statistics.median(v), 3) for r, v in own.items()}
-    return RanksReport(found, ranks, _sentence(found, n, len(ranks)), n, hosts, parity)
+    compared = any(len(rows) > 1 for rows in by_step.values())
+    return RanksReport(found, ranks, _sentence(found, n, len(ranks), compared), n, hosts, parity)
 
 
 def _parity(path: Path) -> list[dict[str, Any]]:
@@ -110,18 +158,30 @@ def _parity(path: Path) -> list[dict[str, Any]]:
         return []
     out = []
     for line, row in read_jsonl(path, what="parity.jsonl"):
-        ok = isinstance(row, dict) and all(isinstance(row.get(k), int) for k in ("step", "rank"))
-        if not ok or not isinstance(row.get("tensors"), list):
-            raise UserError(f"{path}:{line}: not a parity record (it needs step, rank and tensors)")
+        ok = isinstance(row, dict) and _is_int(row.get("step"), 1) and _is_int(row.get("rank"), 0)
+        tensors = row.get("tensors") if ok else None
+        ok = ok and isinstance(tensors, list) and all(isinstance(t, str) for t in tensors)
+        if not ok or not (row.get("host") is None or isinstance(row["host"], str)):
+            raise UserError(
+                f"{path}:{line}: {brief(row)} is not a parity record (it needs step >= 1 and rank >= 0, integers, "
+                "tensors, a list of parameter names, and host, a string): correct or remove that line"
+            )
         out.append(row)
     return out
+
+
+def _straggler(r: int, costs: list[float], n: int, host: str | None, by_step: dict) -> Straggler:
+    cost = sum(costs)
+    return Straggler(r, host, len(costs), n, round(1e3 * cost / _steps(by_step, r), 3), round(cost, 3))
 
 
 def _steps(by_step: dict[int, dict[int, dict[str, Any]]], rank: int) -> int:
     return max(1, sum(rows[rank]["steps"] for rows in by_step.values() if rank in rows))
 
 
-def _sentence(found: list[Straggler], intervals: int, ranks: int) -> str:
+def _sentence(found: list[Straggler], intervals: int, ranks: int, compared: bool) -> str:
+    if not compared:  # no straggler test was made: an empty file, or rows of one rank (a file cut by hand?)
+        return f"no straggler test: no interval holds two ranks' times ({ranks} ranks, {intervals} intervals)"
     if not found:
         return f"no straggler: no rank was consistently slower than the others ({ranks} ranks, {intervals} intervals)"
     parts = [

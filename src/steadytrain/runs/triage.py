@@ -14,12 +14,19 @@ A variant is *finite* when its loss and every gradient are. The verdict: ``data`
 non-finite and the one without the suspects is finite; ``state`` when it is non-finite without the suspects too
 (the note says whether it was already so from the earlier state); ``not-reproducible`` when the recorded variant is
 finite on replay: the values the run saw were not computed from these inputs and weights, so the rank (and host)
-that saw them is named from the ledger; ``none`` when step ``S`` was not refused (nothing to explain).
+that saw them is named from the ledger; ``none`` when step ``S`` was not refused (nothing to explain). When every
+example of the batch is a suspect there is nothing to replay without them: ``state`` if the earlier state is finite
+on the batch, else ``undecided`` (the replay cannot tell the data from the state).
+
+The replay must be of the step the ledger recorded: a step past the run's last, one refused for its item count
+(not for non-finite values), data that changed since the run (``data.json``'s fingerprint) or a rebuilt batch that
+lacks examples the ledger saw in play at step ``S`` (a batch size or seed changed since) is an error, not a verdict.
 """
 
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,12 +35,17 @@ import numpy as np
 import torch
 from torch import nn
 
+from steadytrain._io import load_json
+from steadytrain._text import brief
+from steadytrain.accumulate.events import NONFINITE_NORM
+from steadytrain.data import open_dataset
 from steadytrain.diagnose import read_ledger, report
 from steadytrain.diagnose.hunt import step_batch, take_rows
 from steadytrain.diagnose.ledger import LEDGER
-from steadytrain.diagnose.ranks import flagged_examples, read_hosts
+from steadytrain.diagnose.ranks import flagged_examples, host_key, read_hosts
 from steadytrain.errors import UserError
-from steadytrain.rundir.layout import open_run_dir
+from steadytrain.rundir.layout import RunDir, open_run_dir
+from steadytrain.rundir.schema import read_metrics
 from steadytrain.runs.replay import run_model
 
 __all__ = ["Triage", "triage"]
@@ -86,27 +98,63 @@ def triage(run_dir: str | Path, step: int) -> Triage:
     run = open_run_dir(Path(run_dir))
     if not isinstance(step, int) or step < 1:
         raise UserError(f"--step {step!r}: give an optimizer step, 1 or more (a refused one: steadytrain nan report)")
+    _within_run(run, step)
     events = [e for s, e in read_ledger(run.path) if s == step]
     if not events:
         return Triage("none", step, note=f"step {step} was not refused: {LEDGER} records nothing to explain there")
+    if all(e.reason != NONFINITE_NORM for e in events):
+        raise UserError(
+            f"--step {step}: {LEDGER} says the step was refused for its item count ({events[0].reason}), not for "
+            "non-finite values: there is nothing to replay; look at how the model counts the items of a micro-batch"
+        )
     model, settings = run_model(run.path, before_step=step - 1)
     batch = step_batch(settings, step)
+    pairs = list(zip(batch["shard"].tolist(), batch["index"].tolist(), strict=True))
+    _same_batch(run.path, settings.data, step, events, pairs)
     shards, examples, ranks = _suspects(run.path, events)
     loss, finite, per = _replay(model, batch)
     replays = [{"variant": "recorded", "loss": loss, "finite": finite}]
-    pairs = list(zip(batch["shard"].tolist(), batch["index"].tolist(), strict=True))
     keep = np.array([r for r, (s, i) in enumerate(pairs) if s not in shards and (s, i) not in examples], dtype=np.int64)
-    if shards or examples:
-        kept = _replay(model, take_rows(batch, keep)) if len(keep) else (None, False, [])
+    if shards or examples:  # nothing left without them: no replay (finite None), never a made-up non-finite one
+        kept = _replay(model, take_rows(batch, keep)) if len(keep) else (None, None, [])
         replays.append({"variant": "without_suspects", "loss": kept[0], "finite": kept[1]})
     earlier = _earlier(run.path, settings.checkpoint_step, batch)
     if earlier is not None:
         replays.append({"variant": "earlier_state", "loss": earlier[0], "finite": earlier[1]})
     again = _replay(model, batch)
-    same = again[2] == per or all(math.isnan(a) and math.isnan(b) for a, b in zip(again[2], per, strict=True))
+    same = np.array(again[2], np.float64).tobytes() == np.array(per, np.float64).tobytes()  # NaN == NaN, bit for bit
     replays.append({"variant": "repeat", "loss": again[0], "finite": again[1], "bitwise_equal": same})
-    hosts = read_hosts(run.path, LEDGER)
-    return _verdict(step, replays, ranks, sorted({hosts[r] for r in ranks if r in hosts}), settings.note)
+    hosts = read_hosts(run.path, LEDGER)  # the step's own lines: a rank's host may have changed during the run
+    seen = sorted({hosts[k] for e in events if e.rank in ranks and (k := host_key(step, e)) in hosts})
+    return _verdict(step, replays, ranks, seen, settings.note)
+
+
+def _within_run(run: RunDir, step: int) -> None:
+    """A step past the run's last is an error (it was not refused: it never ran)."""
+    last = max((r["step"] for r in read_metrics(run.metrics)[0]), default=None)
+    if last is not None and step > last:
+        raise UserError(f"--step {step}: the run has {last} optimizer steps ({run.metrics.name}): give 1 to {last}")
+
+
+def _same_batch(run_dir: Path, data: Path, step: int, events: list, pairs: list[tuple[int, int]]) -> None:
+    """The replay is of the examples the ledger recorded at ``step``: the same data, and every example in play."""
+    info = load_json(run_dir / "data.json", what="data description") if (run_dir / "data.json").is_file() else {}
+    recorded = info.get("fingerprint") if isinstance(info, dict) else None
+    now = open_dataset(data).fingerprint()
+    if recorded is not None and recorded != now:
+        raise UserError(
+            f"{data}: the data changed since the run trained on it (fingerprint {brief(recorded)} in data.json, "
+            f"{now} now): a replay would not be of step {step}'s examples; triage against the data the run read"
+        )
+    rebuilt = Counter(pairs)
+    missing = Counter((s, i) for e in events for t in e.tags for s, i in zip(t["shard"], t["index"], strict=True))
+    missing -= rebuilt
+    if missing:
+        raise UserError(
+            f"--step {step}: {LEDGER} has examples in play at step {step} that the rebuilt batch lacks (shard, index: "
+            f"{brief(sorted(missing))}): the run's batch size, seed or data order changed since (a resume?); the "
+            "replay would not be of that step"
+        )
 
 
 def _earlier(run_dir: Path, checkpoint_step: int | None, batch: dict[str, Any]) -> tuple | None:
@@ -141,4 +189,13 @@ def _verdict(step: int, replays: list[dict[str, Any]], ranks: list[int], hosts: 
         if earlier
         else "; no earlier state to compare (the initial weights)"
     )
-    return Triage("state", step, replays, ranks, hosts, f"non-finite without the suspects too{weights}{tail}")
+    head = "non-finite without the suspects too" if "without_suspects" in by else "no example was flagged"
+    if "without_suspects" in by and by["without_suspects"]["finite"] is None:
+        head = "every example of the batch is a suspect: nothing left to replay without them"
+        if not (earlier and earlier["finite"]):
+            return Triage(
+                "undecided", step, replays, ranks, hosts,
+                f"{head}{weights}{tail}: the replay cannot tell the data from the state; look at the batch's "
+                f"examples (steadytrain nan hunt RUN --step {step})",
+            )  # fmt: skip
+    return Triage("state", step, replays, ranks, hosts, f"{head}{weights}{tail}")

@@ -314,7 +314,7 @@ def _micro_batch(job: Job, mb: dict[str, Any]) -> tuple[Any, torch.Tensor]:
 
 def _after_step(job: Job, result: Any, loss: torch.Tensor) -> str | None:
     job.state.step += 1
-    job.beat.step = job.state.step
+    job.beat.stepped(job.state.step)
     job.beat.enter("all_reduce")  # the metrics' and the stop flag's collectives
     spike = not result.stepped and job.acc.nonfinite_events[-1].reason == SPIKE
     if spike and job.cfg.spike.policy == "rollback":

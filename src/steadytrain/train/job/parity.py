@@ -15,6 +15,7 @@ it) and stops the run with a checkpoint and a report line. FSDP holds shards, no
 from __future__ import annotations
 
 import logging
+import math
 from collections import Counter
 
 import torch
@@ -53,6 +54,22 @@ def _checksums(params: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
         return torch.stack(sums + [torch.linalg.vector_norm(v, 1, dtype=torch.float64) for v in values])
 
 
+def _key(row: list[float]) -> tuple:
+    """A rank's checksums as compared: a NaN equals a NaN (replicas whose values are NaN alike agree; ``==`` on
+    floats would make every rank differ from every other)."""
+    return tuple("nan" if math.isnan(v) else v for v in row)
+
+
+def _disagreeing(table: list[list[float]]) -> tuple[list[int], tuple, bool]:
+    """``(ranks whose checksums differ from the reference, the reference, tie)``: the reference is the most common
+    row, or rank 0's when no row has a majority (``tie``)."""
+    keys = [_key(row) for row in table]
+    top, count = Counter(keys).most_common(1)[0]
+    tie = count * 2 <= len(keys)
+    reference = keys[0] if tie else top
+    return [r for r, key in enumerate(keys) if key != reference], reference, tie
+
+
 def check_parity(job: Job) -> str | None:
     """Compare the replicas (every rank, the same step); why to stop (``on_parity: stop``), or None."""
     params = _named(job)
@@ -60,16 +77,12 @@ def check_parity(job: Job) -> str | None:
     every = [torch.empty_like(mine) for _ in range(job.info.world_size)]
     dist.all_gather(every, mine)  # one small collective per check: every rank's checksums
     table = torch.stack(every).cpu().tolist()  # host read, once per check: the comparison is a Python decision
-    votes = Counter(tuple(row) for row in table)
-    top, count = votes.most_common(1)[0]
-    tie = count * 2 <= len(table)
-    reference = tuple(table[0]) if tie else top
-    bad = [r for r, row in enumerate(table) if tuple(row) != reference]
+    bad, reference, tie = _disagreeing(table)
     if not bad:
         return None
     n = len(params)
     for rank in bad:
-        pairs = zip(table[rank], reference, strict=True)
+        pairs = zip(_key(table[rank]), reference, strict=True)
         differ = sorted({params[i % n][0] for i, (a, b) in enumerate(pairs) if a != b})
         if job.info.is_main:
             record = {"step": job.state.step, "rank": rank, "host": host(job, rank), "tensors": differ}
@@ -80,7 +93,7 @@ def check_parity(job: Job) -> str | None:
             )  # fmt: skip
     if job.cfg.distributed.on_parity != "stop":
         return None
-    good = next(r for r, row in enumerate(table) if tuple(row) == reference)
+    good = next(r for r, row in enumerate(table) if _key(row) == reference)
     with torch.no_grad():
         for _, p in params:  # every replica made equal to an agreeing rank's before the checkpoint
             dist.broadcast(p.data, src=good)

@@ -26,10 +26,8 @@ def record_rank_times(job: Job) -> None:
     """Gather this interval's seconds per phase from every rank (every rank calls it at the same step)."""
     if job.info.backend is None or job.info.world_size < 2:
         return
-    beat = job.beat
-    spent = beat.take()
-    steps = job.state.step - (beat.last_step if beat.last_step is not None else job.state.step - job.cfg.run.log_every)
-    beat.last_step = job.state.step
+    steps = job.beat.steps_since_take  # what the seconds cover: a rollback's steps too; after a resume, its own
+    spent = job.beat.take()
     mine = torch.tensor([spent.get(p, 0.0) for p in PHASES], dtype=torch.float64, device=job.info.device)
     every = [torch.empty_like(mine) for _ in range(job.info.world_size)]
     dist.all_gather(every, mine)  # one small collective per logging interval: each rank's seconds per phase

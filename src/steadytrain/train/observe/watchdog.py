@@ -69,8 +69,14 @@ class Beat:
     phase: str = "start"
     spent: dict[str, float] = field(default_factory=dict)
     since: float = field(default_factory=time.perf_counter)
-    last_step: int | None = None
-    """The step of the last :meth:`take` by ``ranks.jsonl``'s recorder."""
+    steps_since_take: int = 0
+    """Optimizer steps ended since the last :meth:`take` (``ranks.jsonl``'s ``steps``): counted, not subtracted,
+    since a spike's rollback sets the step back and a resume starts past the last take."""
+
+    def stepped(self, step: int) -> None:
+        """An optimizer step ended; ``step`` steps are done."""
+        self.step = step
+        self.steps_since_take += 1
 
     def enter(self, phase: str) -> None:
         now = time.perf_counter()
@@ -78,9 +84,10 @@ class Beat:
         self.phase, self.since = phase, now
 
     def take(self) -> dict[str, float]:
-        """The seconds per phase since the last call (the phase in progress counted up to now)."""
+        """The seconds per phase since the last call (the phase in progress counted up to now); the count of
+        :attr:`steps_since_take` starts again."""
         self.enter(self.phase)
-        spent, self.spent = self.spent, {}
+        spent, self.spent, self.steps_since_take = self.spent, {}, 0
         return spent
 
 
