@@ -24,22 +24,23 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from steadytrain._check import check_finite
+from steadytrain._dtensor import is_dtensor as _is_dtensor
+from steadytrain._dtensor import local as _local
+from steadytrain._dtensor import shard_groups as _shard_groups
 from steadytrain._io import brief
 from steadytrain._norm_kernels import foreach_norms
 from steadytrain.errors import UserError
-
-try:  # DTensor is absent on builds without torch.distributed.
-    from torch.distributed.tensor import DTensor
-except ImportError:  # pragma: no cover - depends on the torch build
-    DTensor = None  # type: ignore[assignment,misc]
 
 __all__ = [
     "clip_coefficient",
     "clip_grad_global_norm_",
     "clip_grad_per_param_norm_",
     "clip_grad_value_",
+    "combine_norms",
     "global_grad_norm",
+    "local_norms",
     "scale_grads_",
+    "tensor_norms",
 ]
 
 Parameters = Tensor | Iterable[Tensor]
@@ -60,22 +61,6 @@ def _grads(parameters: Parameters) -> list[Tensor]:
     if bad := next((p for p in params if not isinstance(p, Tensor)), None):
         raise UserError(f"parameters holds {brief(bad)} ({type(bad).__name__}), not a tensor: pass model.parameters()")
     return [p.grad for p in params if p.grad is not None]
-
-
-def _is_dtensor(t: Tensor) -> bool:
-    return DTensor is not None and isinstance(t, DTensor)
-
-
-def _local(grad: Tensor) -> Tensor:
-    """The tensor this rank holds: the local shard of a DTensor, else the tensor itself."""
-    if not _is_dtensor(grad):
-        return grad
-    if any(p.is_partial() for p in grad.placements):
-        # A pending-reduction gradient has no meaningful local norm: reduce it first.
-        from torch.distributed.tensor import Replicate
-
-        grad = grad.redistribute(placements=[Replicate() if p.is_partial() else p for p in grad.placements])
-    return grad.to_local()  # under no_grad: the local tensor itself, so in-place ops reach the DTensor
 
 
 def _check_norm_type(norm_type: float | str) -> float:
@@ -111,12 +96,6 @@ def _check_norm_clip(max_norm: float, eps: float) -> tuple[float, float]:
     return max_norm, eps
 
 
-def _shard_groups(grad: Tensor) -> tuple[dist.ProcessGroup, ...]:
-    """Process groups of the mesh dimensions along which a DTensor gradient is sharded."""
-    mesh = grad.device_mesh
-    return tuple(mesh.get_group(d) for d, p in enumerate(grad.placements) if p.is_shard())
-
-
 def _reduce_(values: Tensor, norm_type: float, groups: Iterable[dist.ProcessGroup]) -> Tensor:
     """Combine per-rank norms into the norm over all ranks, in place; ``values`` holds norms."""
     groups = list(groups)
@@ -134,23 +113,50 @@ def _reduce_(values: Tensor, norm_type: float, groups: Iterable[dist.ProcessGrou
 
 def _per_tensor_norms(grads: list[Tensor], norm_type: float) -> Tensor:
     """1-D float32 tensor of each gradient's true (mesh-reduced) norm, on the first grad's device."""
-    has_dtensor = any(_is_dtensor(g) for g in grads)
-    locals_ = [_local(g) for g in grads] if has_dtensor else grads
+    return combine_norms(local_norms(grads, norm_type).unsqueeze(0), grads, norm_type)[0]
+
+
+def local_norms(tensors: list[Tensor], norm_type: float = 2.0) -> Tensor:
+    """1-D: each tensor's norm over what this rank holds of it (a DTensor's local shard); no collective, no host
+    sync. :func:`combine_norms` makes them whole-tensor norms."""
+    locals_ = [_local(t) for t in tensors]
     device = locals_[0].device
-    norms = torch.stack([n.to(device, non_blocking=True) for n in foreach_norms(locals_, norm_type)])
-    if not has_dtensor:
-        return norms
-    # Sharded gradients: reduce each one's partial norm over the groups it is sharded on.
+    return torch.stack([n.to(device, non_blocking=True) for n in foreach_norms(locals_, norm_type)])
+
+
+def combine_norms(norms: Tensor, like: list[Tensor], norm_type: float = 2.0) -> Tensor:
+    """Whole-tensor norms from :func:`local_norms` rows (``(k, n)``, column i from tensors laid out as ``like[i]``):
+    each DTensor's column is reduced over the mesh dimensions it is sharded on, one collective per set of such
+    dimensions for all rows (one under FSDP2; none for plain tensors, whose local norm is the whole norm)."""
     by_groups: dict[tuple[dist.ProcessGroup, ...], list[int]] = defaultdict(list)
-    for i, g in enumerate(grads):
-        if _is_dtensor(g):
-            groups = _shard_groups(g)
-            if groups:
-                by_groups[groups].append(i)
+    for i, t in enumerate(like):
+        if _is_dtensor(t) and (groups := _shard_groups(t)):
+            by_groups[groups].append(i)
     for groups, idx in by_groups.items():
-        index = torch.tensor(idx, device=device)
-        norms[index] = _reduce_(norms[index], norm_type, groups)
+        index = torch.tensor(idx, device=norms.device)
+        norms[:, index] = _reduce_(norms[:, index].contiguous(), norm_type, groups)
     return norms
+
+
+@torch.no_grad()
+def tensor_norms(*columns: list[Tensor]) -> Tensor:
+    """Each tensor's true L2 norm, for one or more lists of tensors laid out alike (say the gradients and the
+    parameters of the same parameters): a ``(len(columns), n)`` float32 tensor.
+
+    A DTensor (FSDP2, tensor parallel) contributes its local shard, summed over the mesh dimensions it is
+    sharded on, so every rank gets the whole tensor's norm, never its shard's nor a replica counted twice; all
+    columns share one collective per set of such dimensions (one under FSDP2, none for plain tensors). No host
+    synchronisation. A group of tensors (a layer) has the square root of the sum of their squares as its norm.
+
+    Example:
+        >>> tensor_norms([torch.tensor([3.0, 4.0]), torch.tensor([12.0])]).tolist()
+        [[5.0, 12.0]]
+    """
+    if not columns or not columns[0]:
+        return torch.zeros((len(columns), 0), dtype=torch.float32)
+    if any(len(c) != len(columns[0]) for c in columns):
+        raise UserError(f"tensor_norms: columns of {[len(c) for c in columns]} tensors: give lists of one length")
+    return combine_norms(torch.stack([local_norms(c).float() for c in columns]), columns[0])
 
 
 @torch.no_grad()

@@ -25,11 +25,13 @@ LOG_EVERY, STEPS = 5, 12
 
 
 class HostReads(TorchFunctionMode):
-    """Counts reads of tensor values on the host; ``skip`` holds the ids of host data tensors."""
+    """Counts reads of tensor values on the host; ``skip`` holds the ids of host data tensors. ``calls``: every
+    torch function called (kernels, collectives, reads alike)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.reads: list[str] = []
+        self.calls = 0
         self.skip: set[int] = set()
         self.data: list[torch.Tensor] = []  # kept alive: a freed tensor's id could name a computed one
 
@@ -40,6 +42,7 @@ class HostReads(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", "")
+        self.calls += 1
         if name in READS and args and isinstance(args[0], torch.Tensor) and id(args[0]) not in self.skip:
             self.reads.append(name)
         return func(*args, **(kwargs or {}))
@@ -50,7 +53,9 @@ def text_data(tmp_path_factory) -> Path:
     return write_text_dataset(tmp_path_factory.mktemp("data") / "ds", [64] * 8)
 
 
-def reads_per_step(tmp_path: Path, data: Path, monkeypatch, *extra: str) -> dict[int, int]:
+def reads_per_step(tmp_path: Path, data: Path, monkeypatch, *extra: str, what: str = "reads") -> dict[int, int]:
+    """Per optimizer step: the host reads it made (``what="reads"``), or every torch function it called
+    (``what="calls"``)."""
     overrides = [
         *TINY, f"data.path={data}", f"run.max_steps={STEPS}", f"run.log_every={LOG_EVERY}",
         "checkpoint.every_steps=1000", "checkpoint.async=false", "data.num_workers=1",
@@ -60,14 +65,17 @@ def reads_per_step(tmp_path: Path, data: Path, monkeypatch, *extra: str) -> dict
     mode, per_step = HostReads(), {}
     micro_batch, after_step = loop._micro_batch, loop._after_step
 
+    def count() -> int:
+        return len(mode.reads) if what == "reads" else mode.calls
+
     def counted_micro_batch(job, mb):
-        per_step.setdefault(0, len(mode.reads))  # what the build read is not a step's
+        per_step.setdefault(0, count())  # what the build read is not a step's
         mode.host_data(mb)
         return micro_batch(job, mb)
 
     def counted_after_step(job, result, loss):
         out = after_step(job, result, loss)
-        per_step[job.state.step] = len(mode.reads)
+        per_step[job.state.step] = count()
         return out
 
     monkeypatch.setattr(loop, "_micro_batch", counted_micro_batch)
@@ -88,3 +96,21 @@ def test_one_host_read_per_step_that_does_not_log(tmp_path, text_data, monkeypat
     assert quiet and all(n == 1 for n in quiet.values()), sorted(counts.items())
     logging_steps = {s: n for s, n in counts.items() if s % LOG_EVERY == 0}
     assert all(n >= 1 for n in logging_steps.values()), counts  # the interval's losses are read there
+
+
+def test_the_layer_monitor_costs_nothing_on_other_steps_and_one_read_on_its_own(tmp_path, text_data, monkeypatch):
+    """``monitor.layers: norms`` every 5 steps against ``off``: the steps in between call exactly the same torch
+    functions (no kernel, collective or read added); a monitored step reads once more."""
+    on = dict(reads=reads_per_step(tmp_path / "on", text_data, monkeypatch, "monitor.every_steps=5"))
+    off = dict(reads=reads_per_step(tmp_path / "off", text_data, monkeypatch, "monitor.layers=off"))
+    on["calls"] = reads_per_step(tmp_path / "on2", text_data, monkeypatch, "monitor.every_steps=5", what="calls")
+    off["calls"] = reads_per_step(tmp_path / "off2", text_data, monkeypatch, "monitor.layers=off", what="calls")
+    assert (tmp_path / "on" / "run" / "layers.jsonl").is_file() and not (
+        tmp_path / "off" / "run" / "layers.jsonl"
+    ).exists()
+    quiet = [s for s in range(1, STEPS + 1) if s % 5]
+    assert [on["calls"][s] for s in quiet] == [off["calls"][s] for s in quiet]
+    assert all(on["calls"][s] > off["calls"][s] for s in (5, 10))
+    assert [on["reads"][s] - off["reads"][s] for s in range(1, STEPS + 1)] == [
+        1 if s % 5 == 0 else 0 for s in range(1, STEPS + 1)
+    ]

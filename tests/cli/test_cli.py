@@ -77,7 +77,7 @@ def test_help_and_version():
 RUN_COMMANDS = [
     ["report"], ["compare", "{missing}"], ["repro"], ["nan", "report"], ["nan", "hunt", "--shard", "0"],
     ["spikes", "report"], ["spikes", "hunt", "--shard", "0"], ["eval"], ["export", "--out", "{out}"], ["hangs"],
-    ["ranks"], ["triage", "--step", "1"],
+    ["ranks"], ["triage", "--step", "1"], ["layers"],
 ]  # fmt: skip
 """The commands that read a run directory: most tests run them in-process; here each is launched once."""
 

@@ -86,6 +86,7 @@ BAD = {
     "hangs": ["hangs", "{missing}", "--json"],
     "ranks": ["ranks", "{missing}", "--json"],
     "triage": ["triage", "{missing}", "--step", "1", "--json"],
+    "layers": ["layers", "{missing}", "--json"],
 }
 """A bad input to each ``--json`` command: a run directory that does not exist (plan: a zero batch)."""
 

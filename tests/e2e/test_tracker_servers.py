@@ -24,7 +24,16 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from steadytrain.train.observe.backends import _HTTP_LIMITS, Wandb
-from tests.train.test_trackers import _close, _expected, _items, _mlflow_metrics, _offline, _rows, free_port
+from tests.train.test_trackers import (
+    _close,
+    _expected,
+    _items,
+    _layer_series,
+    _mlflow_metrics,
+    _offline,
+    _rows,
+    free_port,
+)
 from tests.train_utils import run_cli, sets, write_text_dataset
 
 _WANDB_LIMITS_ENV = ("WANDB_INIT_TIMEOUT", "WANDB_FINISH_TIMEOUT", "WANDB_FINISH_TIMEOUT_RAISES")
@@ -104,8 +113,9 @@ def test_an_mlflow_tracking_server_receives_every_row(tmp_path, data, mlflow_ser
     assert state["mlflow"]["uri"] == mlflow_server
     client = MlflowClient(mlflow_server)
     run_id = state["mlflow"]["run_id"]
-    got, expected = _mlflow_metrics(client, run_id), _expected(rows)
+    got, expected = _mlflow_metrics(client, run_id), _expected(rows) | _layer_series(run)
     assert got.keys() == expected.keys() and {"loss", "lr", "grad_norm", "val_loss", "skipped"} <= got.keys()
+    assert "layers/blocks.0/update_ratio" in got  # through the server too
     for key, pairs in expected.items():  # every row's every number, at its step
         _close(got[key], pairs, 1e-12, what=key)
     assert client.get_run(run_id).info.status == "FINISHED"

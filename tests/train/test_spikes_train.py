@@ -96,6 +96,7 @@ def test_warn_detects_the_spike_on_both_ranks_and_traces_it_to_the_planted_rows(
     assert outlying == ROWS  # every planted example, and no other, from the per-example losses alone
     rep = report(run, SPIKES)
     assert rep.verdict == "shard-selective" and rep.suspect_shards == [BAD], rep.sentence
+    assert rep.suspect_ranks == [] and rep.suspect_hosts == []  # one rank read the shard: the data, not that rank
     found = hunt(run, BAD, loader=run_model, kind="spike")
     assert found.examples == ROWS, found.sentence
     assert {(f["example"], f["field"]) for f in found.fields} == {(i, "amount") for i in ROWS}
@@ -133,6 +134,11 @@ def test_rollback_goes_back_skips_the_recorded_batch_and_ends_like_a_run_without
     assert steps == list(range(1, STEPS + 1))  # the rolled-back rows are gone, each step once
     exposure = {int(k): v for k, v in json.loads((run / "exposure.json").read_text()).items()}
     assert BAD not in exposure and sum(exposure.values()) == STEPS * BATCH  # the bad batch never trained on
+    layers = [json.loads(x) for x in (run / "layers.jsonl").read_text().splitlines()]
+    kept = [r for r in layers if "rollback" in r]  # what the spike's layers saw stays, marked as its metrics row
+    assert kept and {(r["step"], r["rollback"], r["update_norm"]) for r in kept} == {(SPIKE_STEP, 1, None)}
+    plain = [(r["step"], r["layer"]) for r in layers if "rollback" not in r]
+    assert len(plain) == len(set(plain)) and {s for s, _ in plain} == set(range(10, STEPS + 1, 10))  # each once
     tail = [sum(r["loss"] for r in metrics(x)[-10:]) / 10 for x in (run, clean)]
     assert abs(tail[0] / tail[1] - 1) < 0.05, tail
 

@@ -153,6 +153,17 @@ def _expected(rows: list[dict]) -> dict[str, list[tuple[int, float]]]:
     return out
 
 
+def _layer_series(run: Path) -> dict[str, list[tuple[int, float]]]:
+    """layers.jsonl as the trackers must hold it: ``layers/<layer>/<key>`` -> [(step, value)]."""
+    out: dict[str, list[tuple[int, float]]] = {}
+    for line in (run / "layers.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        for key in ("grad_norm", "param_norm", "update_norm", "update_ratio"):
+            if row[key] is not None:
+                out.setdefault(f"layers/{row['layer']}/{key}", []).append((row["step"], row[key]))
+    return out
+
+
 def _close(got: list[tuple[int, float]], want: list[tuple[int, float]], rel: float, what: str = "") -> None:
     """The same steps in the same order, the same values (``rel``: float32 for TensorBoard, float64 elsewhere)."""
     assert [s for s, _ in got] == [s for s, _ in want], what
@@ -183,8 +194,9 @@ def tracked(tmp_path_factory, data) -> Path:
 def test_every_metrics_row_reaches_every_tracker_at_its_step(tracked):
     rows = _rows(tracked)
     assert {r["step"] for r in rows if "val_loss" in r} == {3, 6} and len(rows) == 8
-    expected = _expected(rows)
+    expected = _expected(rows) | _layer_series(tracked)  # each step's layer norms ride on its row
     assert {"loss", "lr", "grad_norm", "items_per_s", "val_loss", "val_items", "skipped"} <= expected.keys()
+    assert {"layers/blocks.0/grad_norm", "layers/head/update_ratio"} <= expected.keys()
 
     state = json.loads((tracked / "trackers.json").read_text())
     client = MlflowClient(f"sqlite:///{tracked / 'mlflow.db'}")
@@ -259,8 +271,8 @@ def test_an_mlflow_file_store_receives_every_row(tmp_path, data, monkeypatch):
     state = json.loads((tmp_path / "run" / "trackers.json").read_text())
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # this process reads the store back
     got = _mlflow_metrics(MlflowClient(f"file://{store}"), state["mlflow"]["run_id"])
-    expected = _expected(rows)
-    assert got.keys() == expected.keys() and "val_loss" in got
+    expected = _expected(rows) | _layer_series(tmp_path / "run")
+    assert got.keys() == expected.keys() and "val_loss" in got and "layers/head/grad_norm" in got
     for key, pairs in expected.items():
         _close(got[key], pairs, 1e-12, what=key)
 

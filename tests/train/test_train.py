@@ -176,6 +176,8 @@ def test_ten_plus_resume_plus_ten_equals_twenty(tmp_path, text_data):
         assert (extra / "checkpoints" / "step-00000020" / "state.json").exists()
     # Make `split` a run that stopped after 10: drop the final checkpoint and the later log lines.
     shutil.rmtree(split / "checkpoints" / "step-00000020")
+    with (split / "layers.jsonl").open("a") as f:
+        f.write('{"step": 21, "layer": "tok", "grad_no')  # a kill in the middle of a line
     proc = run_cli("train", "--resume", str(split))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed" in proc.stderr
@@ -183,6 +185,9 @@ def test_ten_plus_resume_plus_ten_equals_twenty(tmp_path, text_data):
     a = load_checkpoint(straight / "checkpoints" / "step-00000020")["model"]
     b = load_checkpoint(split / "checkpoints" / "step-00000020")["model"]
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # the layers' file continues too: every (step, layer) once, the values of the straight run
+    layers = [(split / "layers.jsonl").read_text(), (straight / "layers.jsonl").read_text()]
+    assert layers[0] == layers[1] and len(layers[0].splitlines()) == 10 * 5  # every 2 of 20 steps, 5 layers
 
 
 def test_resume_of_a_directory_without_checkpoints_is_a_clean_error(tmp_path):
@@ -231,6 +236,20 @@ def test_two_ranks_equal_one_rank_at_the_same_global_batch(two_ranks, one_rank, 
     out = "".join(proc.stdout + proc.stderr for proc in procs)  # what torchrun prints of its ranks
     assert "micro 4 x accumulation 2 x world 2" in out
     assert_same_losses(run_dir, one_rank)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_two_ranks_give_the_layer_norms_of_one_rank(two_ranks, one_rank, strategy):
+    """Per layer, per monitored step: gradient, weight and update norms from the local shards (FSDP2) or the
+    replicas (DDP) equal the 1-rank run's within 1e-5: no shard's norm, no replica counted twice."""
+    run_dir, _ = two_ranks[strategy]
+    got, want = ([json.loads(x) for x in (r / "layers.jsonl").read_text().splitlines()] for r in (run_dir, one_rank))
+    assert [(r["step"], r["layer"]) for r in got] == [(r["step"], r["layer"]) for r in want]
+    assert {r["step"] for r in want} == {2, 4, 6} and len(want) == 3 * 5  # log_every 2; tok, pos, blocks.0, norm, head
+    for g, w in zip(got, want, strict=True):
+        for key in ("grad_norm", "param_norm", "update_norm", "update_ratio"):
+            assert g[key] == pytest.approx(w[key], rel=1e-5), (strategy, g["step"], g["layer"], key)
 
 
 @pytest.mark.distributed

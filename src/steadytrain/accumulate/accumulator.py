@@ -202,6 +202,12 @@ class GradientAccumulator:
         when not computed); a 0-dim bool device tensor it returns is read with the step's one host sync, and
         True refuses the step (reason ``spike``: no update on any rank, recorded, never raised). It must give
         every rank the same answer (build it from all-reduced values)."""
+        self.observer: Any = None
+        """Optional: watches the end of each cycle. ``observer.observes(refused) -> bool`` is asked once per
+        cycle after the step's host read; when True, ``before_update(params, factor, stepped)`` sees the
+        gradients before they are clipped (``factor`` normalizes them, as it does the global norm) and
+        ``after_update(params)`` the parameters after the update (or, on a refused step, before its gradients
+        are cleared). Every rank gets the same calls: they may hold collectives."""
 
     # The validated settings, readable as before.
     max_grad_norm = property(lambda self: self._step.max_grad_norm)
@@ -315,9 +321,16 @@ class GradientAccumulator:
             self.items_seen += reading.items  # type: ignore[operator]
             self._item_scale.update(reading.items)  # type: ignore[arg-type]
         reason = refusal(reading, self._step)
+        watch = self.observer is not None and self.observer.observes(reason is not None)
+        if watch:
+            self.observer.before_update(self._params, factor, stepped=reason is None)
         if reason is not None:
+            if watch:
+                self.observer.after_update(self._params)
             return self._refuse(cycle, index, reading, reason)
         apply_and_step(self._params, self.optimizer, coef, self._step, self.grad_scaler)
+        if watch:
+            self.observer.after_update(self._params)
         if self.scheduler is not None:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)

@@ -13,7 +13,7 @@ from steadytrain.cli.env import env
 from steadytrain.cli.evaluate import eval_cmd, export_cmd
 from steadytrain.cli.nan import demo, nan
 from steadytrain.cli.plan import plan
-from steadytrain.cli.runs import compare, hangs, ranks, report, repro, sweep, triage
+from steadytrain.cli.runs import compare, hangs, layers, ranks, report, repro, sweep, triage
 from steadytrain.cli.spikes import spikes
 from steadytrain.cli.train import config_group, train
 from steadytrain.errors import UserError
@@ -41,6 +41,7 @@ cli.add_command(repro)
 cli.add_command(sweep)
 cli.add_command(hangs)
 cli.add_command(ranks)
+cli.add_command(layers)
 cli.add_command(triage)
 
 

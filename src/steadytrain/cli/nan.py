@@ -31,6 +31,11 @@ def _print_report(rep: Any, limit: int = 5, flagged: str = "non-finite") -> None
         )
     if rep.ranks:
         click.echo(f"  local {flagged} losses by rank: " + ", ".join(f"rank {r}: {n}" for r, n in rep.ranks.items()))
+    for spike in (rep.layers or [])[:limit]:  # spikes: each layer's grad norm against its own median before
+        top = [x for x in spike["layers"] if x["ratio"] is not None][:3]
+        if top:
+            ratios = ", ".join(f"{one_line(x['layer'])} {x['ratio']:.3g}x" for x in top)
+            click.echo(f"  step {spike['step']}: grad norm against the layer's median before it: {ratios}")
 
 
 def _print_hunt(h: Any) -> None:
@@ -108,7 +113,6 @@ def demo() -> None:
 @click.option("--shards", type=click.IntRange(16, 10_000), default=200, show_default=True, help="Shards to write.")
 def demo_nan(root: str | None, variant: str, shards: int) -> None:
     """The seed's scenario: a NaN from shard 47's new category, found by report and hunt (2 ranks, gloo)."""
-    from steadytrain._text import one_line
     from steadytrain.cli._common import log_handler
     from steadytrain.diagnose.demo import run_demo
 

@@ -1,4 +1,4 @@
-"""``steadytrain report|compare|repro|sweep``: parse, call :mod:`steadytrain.runs`, print."""
+"""``steadytrain report|compare|repro|sweep|hangs|ranks|triage|layers``: parse, call :mod:`steadytrain.runs`, print."""
 
 from __future__ import annotations
 
@@ -200,3 +200,20 @@ def triage(run: str, step: int, as_json: bool) -> None:
         extra = f", bitwise equal: {r['bitwise_equal']}" if "bitwise_equal" in r else ""
         finite = "n/a (not replayed)" if r["finite"] is None else r["finite"]
         click.echo(f"  {r['variant']}: loss {loss}, finite {finite}{extra}")
+
+
+@click.command("layers")
+@run_argument
+@click.option("--step", type=click.IntRange(1), default=None, help="The monitored step to show (default: the last).")
+@click.option("--json", "as_json", is_flag=True, help='Print {"step": S, "layers": [rows]} as JSON.')
+def layers(run: str, step: int | None, as_json: bool) -> None:
+    """Per-layer norms of one monitored step of RUN (RUN/layers.jsonl): grad norm, param norm, update norm, update
+    ratio."""
+    from steadytrain.runs.layers import layer_step, table_lines
+
+    found = layer_step(Path(run), step)
+    if as_json:
+        _json(found)
+        return
+    for line in table_lines(found):
+        click.echo(line)

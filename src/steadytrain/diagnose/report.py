@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from steadytrain.accumulate import NonFiniteEvent
+from steadytrain.diagnose.layers import attribution_sentence, read_layers, spike_layers
 from steadytrain.diagnose.ledger import LEDGER, SPIKES, dataset_bounds, read_exposure, read_ledger
 from steadytrain.diagnose.stats import binomial_sf
 from steadytrain.errors import UserError
@@ -87,8 +88,12 @@ class NonFiniteReport:
     """Ranks the trouble follows across shards (:mod:`.ranks`); empty unless ``rank-selective``."""
     suspect_hosts: list[str] = field(default_factory=list)
     """Their hosts, and any host the pooled test finds beyond chance."""
+    layers: list[dict[str, Any]] | None = None
+    """Spikes only: the layer each spike entered through (:func:`.layers.spike_layers`; empty without
+    ``layers.jsonl``); None for non-finite steps."""
 
     def to_dict(self) -> dict[str, Any]:
+        extra = {} if self.layers is None else {"layers": list(self.layers)}
         return {
             "verdict": self.verdict,
             "suspect_shards": list(self.suspect_shards),
@@ -100,6 +105,7 @@ class NonFiniteReport:
             "steps": list(self.steps),
             "localized": self.localized,
             "threshold": self.threshold,
+            **extra,
         }
 
 
@@ -224,11 +230,13 @@ def report(run_dir: str | Path, ledger: str = LEDGER) -> NonFiniteReport:
 
     Returns:
         The verdict (``shard-selective``, ``spread`` or ``none``), the suspects, per-shard numbers,
-        per-rank local counts and one sentence with the numbers.
+        per-rank local counts and one sentence with the numbers. For spikes, also the layer each spike entered
+        through when the run wrote ``layers.jsonl`` (:func:`.layers.spike_layers`), said in the sentence too.
 
     Raises:
-        UserError: no such directory, or a malformed ledger or exposure file (a ledger's shard ids and example
-            indices are checked against the run's dataset when ``data.json`` names it and it is unchanged).
+        UserError: no such directory, or a malformed ledger, exposure file or (spikes) ``layers.jsonl`` (a
+            ledger's shard ids and example indices are checked against the run's dataset when ``data.json``
+            names it and it is unchanged).
 
     Example:
         >>> import tempfile
@@ -240,6 +248,16 @@ def report(run_dir: str | Path, ledger: str = LEDGER) -> NonFiniteReport:
         raise UserError(f"{run_dir}: no such run directory")
     if ledger not in _WORDS:
         raise UserError(f"ledger={ledger!r}: use {LEDGER} or {SPIKES}")
+    rep = _report(run_dir, ledger)
+    if ledger == SPIKES:
+        rep.layers = spike_layers(read_layers(run_dir), rep.steps)
+        if said := attribution_sentence(rep.layers):
+            rep.sentence = f"{rep.sentence}; {said}"
+    return rep
+
+
+def _report(run_dir: Path, ledger: str) -> NonFiniteReport:
+    """:func:`report`'s shard (or rank) attribution and verdict, before the layers."""
     events = read_ledger(run_dir, ledger, bounds=dataset_bounds(run_dir))  # positions inside the run's data
     exposure = read_exposure(run_dir)
     steps = _by_step(events)

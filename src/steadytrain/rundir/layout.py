@@ -5,7 +5,8 @@
 fingerprint and provenance), ``metrics.jsonl`` (one line
 per optimizer step), ``nonfinite.jsonl`` (one line per rank per refused step), ``exposure.json``
 (examples seen per shard), ``checkpoints/``, ``plots/`` and ``summary.md``; ``resumes.jsonl`` and
-``restarts.jsonl`` (one line per resume, per automatic restart) and ``hangs/`` (what the hang watchdog found).
+``restarts.jsonl`` (one line per resume, per automatic restart), ``hangs/`` (what the hang watchdog found) and
+``layers.jsonl`` (one line per layer per monitored step: gradient, weight and update norms).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ class RunDir:
     metrics = property(lambda self: self.path / "metrics.jsonl")
     nonfinite = property(lambda self: self.path / "nonfinite.jsonl")
     spikes = property(lambda self: self.path / "spikes.jsonl")
+    layers = property(lambda self: self.path / "layers.jsonl")
     exposure = property(lambda self: self.path / "exposure.json")
     data = property(lambda self: self.path / "data.json")
     checkpoints = property(lambda self: self.path / "checkpoints")

@@ -2,8 +2,9 @@
 
 The summary states what a person needs to judge the run at a glance: the batch plan (effective
 batch = micro x accumulation x world, the scaled LR and its rule), how many steps ran, were skipped
-and clipped, the environment in one paragraph and the final loss, with the plots embedded. A plot
-that cannot be drawn is named in the summary; the rest of the report is still written.
+and clipped, the environment in one paragraph, the final loss and, when the run recorded layer norms,
+the layers with the largest updates and any that never received a gradient, with the plots embedded.
+A plot that cannot be drawn is named in the summary; the rest of the report is still written.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from steadytrain._io import load_json, one_line, write_text_atomic
 from steadytrain._text import error_text, md
 from steadytrain.errors import UserError
 from steadytrain.rundir.schema import check_nonfinite_report
-from steadytrain.runs import plots
+from steadytrain.runs import layerplot, plots
 from steadytrain.runs.record import RunRecord, load_run, shown, smooth
 from steadytrain.train.observe.figures import describe, summarize
 
@@ -31,8 +32,10 @@ PLOTS = {
     "lr": plots.lr_plot,
     "grad_norm": plots.grad_norm_plot,
     "throughput": plots.throughput_plot,
+    "layers": layerplot.layers_plot,
 }
-"""Plot name (``plots/<name>.png``) -> the function that draws it."""
+"""Plot name (``plots/<name>.png``) -> the function that draws it (and returns its path, or None when the run has
+nothing to draw there: ``layers`` without ``layers.jsonl``)."""
 
 
 @dataclass
@@ -65,7 +68,9 @@ def report(run: str | Path, *, stopped: str | None = None) -> Report:
     where = _plots_dir(rec)
     for name, draw in PLOTS.items():
         try:
-            out.plots[name] = draw(rec, where / f"{name}.png")
+            drawn = draw(rec, where / f"{name}.png")
+            if drawn is not None:
+                out.plots[name] = drawn
         except UserError:  # the directory is not writable, a name there is not a file: the summary fails too
             raise
         except Exception as err:  # a plot is never worth losing the report (or the run) over
@@ -212,12 +217,32 @@ def summary_markdown(rec: RunRecord, rep: Report, stopped: str | None) -> str:
     lines += [f"- {x}" for x in _resume_lines(rec)]
     lines += [f"- {x}" for x in _restart_lines(rec)]
     lines += ["", "| | |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows), ""]
-    lines += [f"**Environment.** {md(environment_paragraph(rec.env))}", ""]
+    lines += [f"**Environment.** {md(environment_paragraph(rec.env))}", "", *_layer_lines(rec)]
     for name, path in rep.plots.items():
         lines += [f"![{name}](plots/{path.name})", ""]
     for name, why in rep.failed.items():
         lines += [f"- the {name} plot could not be drawn: {md(why)}"]
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _layer_lines(rec: RunRecord) -> list[str]:
+    """The summary's Layers part (``layers.jsonl``): the largest median update ratios, and each layer that never
+    received a gradient, said plainly; nothing when the run recorded no layer norms."""
+    from steadytrain.diagnose.layers import largest_update_ratios, read_layers, zero_grad_layers
+
+    rows = read_layers(rec.run.path)
+    if not rows:
+        return []
+    top = ", ".join(f"{md(layer)} {value:.3g}" for layer, value in largest_update_ratios(rows))
+    lines = [
+        "**Layers.** Largest update ratio ‖Δw‖ / ‖w‖ (median over the monitored steps that applied an update): "
+        f"{top or 'none recorded'} (`layers.jsonl`; `steadytrain layers RUN --step S` shows one step)."
+    ]
+    frozen = zero_grad_layers(rows)
+    if frozen:
+        lines += ["", *(f"- layer {md(x)} received no gradient in any monitored step: frozen or disconnected by "
+                        "mistake?" for x in frozen)]  # fmt: skip
+    return [*lines, ""]
 
 
 def _validation_rows(rec: RunRecord) -> list[tuple[str, str]]:

@@ -16,6 +16,7 @@ from steadytrain.rundir.layout import RunDir
 from steadytrain.train.hf.model import hf_run_files
 from steadytrain.train.job.spikes import SpikeGuard
 from steadytrain.train.job.state import TrainState
+from steadytrain.train.observe.layers import LayerMonitor
 from steadytrain.train.observe.metrics import MetricsLog, Progress
 from steadytrain.train.observe.throughput import Throughput
 from steadytrain.train.observe.trackers import start_trackers
@@ -78,10 +79,16 @@ def build_pieces(cfg: TrainConfig, info: DistInfo) -> Pieces:
 
 
 def start_metrics(
-    cfg: TrainConfig, info: DistInfo, plan: RunPlan, run: RunDir, state: TrainState, spikes: SpikeGuard,
+    cfg: TrainConfig, info: DistInfo, p: Pieces, run: RunDir, state: TrainState, spikes: SpikeGuard,
     meter: Throughput,
 ) -> MetricsLog:  # fmt: skip
-    """The run's metrics, from the step it starts at (its trackers started there)."""
+    """The run's metrics, from the step it starts at (its trackers started there), and its layer monitor (the
+    accumulator's observer, ``monitor.layers: norms``)."""
+    plan, mon = p.plan, cfg.monitor
+    layers = None
+    if mon.layers == "norms":
+        layers = LayerMonitor(p.model, mon.group, mon.every_steps or cfg.run.log_every, lambda: state.step + 1)
+        p.acc.observer = layers
     return MetricsLog(
         run,
         info,
@@ -92,5 +99,6 @@ def start_metrics(
         progress=Progress(plan.total_steps, state.step) if info.is_main else None,
         spikes=spikes if spikes.collects else None,
         throughput=meter,
+        layers=layers,
         trackers=start_trackers(run, cfg, info, step=state.step),
     )

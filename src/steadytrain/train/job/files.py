@@ -195,7 +195,7 @@ def truncate_logs(run: RunDir, step: int, *, rollbacks: int | None) -> None:
             return rollbacks is None or row["rollback"] <= rollbacks
         return row["step"] <= step
 
-    for path in (run.metrics, run.nonfinite, run.spikes, run.path / "ranks.jsonl"):
+    for path in (run.metrics, run.nonfinite, run.spikes, run.layers, run.path / "ranks.jsonl"):
         if not path.exists() or (path == run.spikes and rollbacks is None):
             continue
         rows = read_jsonl(path, what=path.name)

@@ -145,7 +145,7 @@ def _build(cfg: TrainConfig, info: DistInfo, where: _Where, signals: contextlib.
         raise
     job = Job(
         cfg, info, p.plan, run, p.model, p.optimizer, p.acc, p.ds, p.scaler, loader=loader,
-        state=state, writer=writer, spikes=spikes, metrics=start_metrics(cfg, info, p.plan, run, state, spikes, meter),
+        state=state, writer=writer, spikes=spikes, metrics=start_metrics(cfg, info, p, run, state, spikes, meter),
         stop=signals.enter_context(StopRequest(info)),  # its handlers until the job has ended (end_job)
         held_out=p.held, hyper=hyper, validation=validation, lock=lock, changes=changes, compiled=p.compiled,
         stop_after=where.stop_after, beat=Beat(state.step), hosts=hosts,

@@ -148,6 +148,8 @@ def rollback(job: Job, event: NonFiniteEvent) -> str:
         runfiles.truncate_logs(job.run, target_step, rollbacks=None)
         row = {"step": step, "rollback_to": target_step, "skipped_batches": batches, "rollback": n}
         append_jsonl(job.run.metrics, row)
+        if job.metrics.layers is not None and (kept := job.metrics.layers.rolled_back(step, n)):
+            append_jsonl(job.run.layers, *kept)  # what the spike's layers saw, as its metrics row, stays
         log.warning(
             "step %d: rolled back to step %d (rollback %d of at most %d); global batch(es) %s are passed over",
             step,

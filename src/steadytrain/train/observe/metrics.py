@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from steadytrain._io import append_jsonl
 from steadytrain.rundir.layout import RunDir
+from steadytrain.train.observe.layers import tracker_fields
 from steadytrain.train.observe.throughput import peak_mem_mb
 from steadytrain.train.setup.distributed import DistInfo
 
@@ -74,6 +75,9 @@ class MetricsLog:
     trackers: Any = None
     """The run's :class:`~steadytrain.train.observe.trackers.Trackers` (rank 0): each row written goes to them too,
     after it is on disk. The job finishes them after the run's report."""
+    layers: Any = None
+    """The run's :class:`~steadytrain.train.observe.layers.LayerMonitor` (``monitor.layers: norms``): its rows are
+    written to ``layers.jsonl`` with the interval's metrics, and reach the trackers on their step's row."""
     throughput: Any = None
     """A :class:`~steadytrain.train.observe.throughput.Throughput`: rows get ``tokens_per_s``, ``flops_per_s``,
     ``mfu`` (the known ones, from ``items_per_s``) and ``peak_mem_mb`` (read once per flush: no device sync)."""
@@ -138,10 +142,14 @@ class MetricsLog:
             self._t_last = p.t
         self._pending.clear()
         self.last = rows[-1]
+        layer_rows = self.layers.take() if self.layers is not None else []
         if self.info.is_main:
             append_jsonl(self.run.metrics, *rows)
+            if layer_rows:
+                append_jsonl(self.run.layers, *layer_rows)
             if self.trackers is not None:
-                self.trackers.log_rows(rows)
+                fields = tracker_fields(layer_rows)
+                self.trackers.log_rows([r | fields.get(r["step"], {}) for r in rows])
             if self.progress is not None:
                 self.progress.update(rows[-1], self.total_steps)
         return rows

@@ -23,6 +23,7 @@ from steadytrain.train.setup.sections import (
     ClipConfig,
     DistributedConfig,
     EnvConfig,
+    MonitorConfig,
     NonFiniteConfig,
     ProfileConfig,
     Section,
@@ -242,6 +243,7 @@ class TrainConfig(Section):
     distributed: DistributedConfig = DistributedConfig()
     nonfinite: NonFiniteConfig = NonFiniteConfig()
     spike: SpikeConfig = SpikeConfig()
+    monitor: MonitorConfig = MonitorConfig()
     env: EnvConfig = EnvConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     eval: EvalConfig = EvalConfig()

@@ -125,6 +125,24 @@ class SpikeConfig(Section):
         return value
 
 
+class MonitorConfig(Section):
+    layers: Literal["off", "norms"] = "norms"
+    """Per-layer health in ``layers.jsonl``: gradient, weight and update norms per layer (``norms``), or none."""
+    every_steps: int | None = Field(default=None, ge=1, le=MAX_COUNT)
+    """Record the layers every this many optimizer steps (default: ``run.log_every``); refused steps always."""
+    group: Literal["auto", "module", "parameter"] = "auto"
+    """A layer is: each block of the model's main ``ModuleList`` plus each other top-level part (embeddings,
+    final norm, head) (``auto``); each module that holds parameters (``module``); each parameter."""
+
+    @field_validator("layers", mode="before")
+    @classmethod
+    def _yaml_off(cls, value: Any) -> Any:
+        """YAML reads an unquoted ``off`` as false: ``monitor.layers: off`` means ``off``."""
+        if value is True:
+            raise ValueError("true (YAML reads on/yes/true as a flag) is not a setting: give off or norms")
+        return "off" if value is False else value
+
+
 class EnvConfig(Section):
     contract: str | None = None
     """A reproducibility contract checked on every rank at start."""
