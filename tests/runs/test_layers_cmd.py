@@ -104,7 +104,8 @@ def test_a_step_without_rows_is_one_line_naming_the_nearest_steps_with_rows(tmp_
 def test_a_run_without_layer_norms_says_so_and_exits_0(tmp_path, cli):
     run = layered_run(tmp_path / "run", with_layers=False)
     proc = cli("layers", run)
-    assert (proc.returncode, proc.stdout, proc.stderr) == (0, "no layer norms recorded (monitor.layers: off?)\n", "")
+    said = "no layer norms recorded (monitor.layers: off, or monitor.every_steps more than the steps run?)\n"
+    assert (proc.returncode, proc.stdout, proc.stderr) == (0, said, "")
     assert json.loads(cli("layers", run, "--json").stdout) == {"step": None, "layers": []}
     (run / "layers.jsonl").write_text("")  # created, nothing written yet: the same
     assert json.loads(cli("layers", run, "--step", "2", "--json").stdout) == {"step": None, "layers": []}

@@ -9,15 +9,17 @@ Gradient norms are taken before clipping; the update is the parameters after the
 ``update_ratio`` is ``update_norm / param_norm``. A refused step (non-finite, or a spike the policy skips) has
 ``update_norm`` and ``update_ratio`` null (no update was applied); a value that was not finite is null too. The
 rows of a spike that was rolled back carry ``"rollback": n`` and stay in the file; the steps trained again after
-it follow them, so a step number can come twice (once per try).
+it follow them, so a step number can come twice (once per try). Other rows come in increasing steps. A resume with
+another ``monitor.group`` changes the layers from its first monitored step on: a step is compared with the steps
+that have the same layers (:func:`spike_layers`), and :func:`latest_layers` keeps the rows since the last change.
 
 Spike attribution (:func:`spike_layers`). For a spike at step ``S``, each layer's grad norm at ``S`` is divided by
 the median of that layer's finite grad norms over the monitored steps before it (the rows earlier in the file
-with a step below ``S``: after a rollback, those the run went on from). A layer with fewer than
-:data:`MIN_HISTORY` such values, a median of 0 (it had no gradient before) or no finite grad norm at ``S`` is
-listed but not ranked (``ratio`` null). The ranked layers come first, the largest ratio first (model order
-between equals); ``first_layer`` is the top one, the layer whose gradient left its own usual size the most, or
-null when none could be ranked. Each layer is measured against itself: a layer whose gradients are always
+with a step below ``S``, of steps with the same layers as ``S``: after a rollback, those the run went on from). A
+layer with fewer than :data:`MIN_HISTORY` such values, a median of 0 (it had no gradient before) or no finite grad
+norm at ``S`` is listed but not ranked (``ratio`` null). The ranked layers come first, the largest ratio first
+(model order between equals); ``first_layer`` is the top one, the layer whose gradient left its own usual size the
+most, or null when none could be ranked. Each layer is measured against itself: a layer whose gradients are always
 large is not blamed for being large.
 
 Everything here is pure Python over the rows (no torch): the reading side of a run, as the ledgers are.
@@ -42,6 +44,7 @@ __all__ = [
     "attribution_sentence",
     "by_step",
     "largest_update_ratios",
+    "latest_layers",
     "layer_order",
     "read_layers",
     "spike_layers",
@@ -94,7 +97,8 @@ def read_layers(run_dir: str | Path) -> list[dict[str, Any]]:
 
     Raises:
         UserError: a line that is not JSON, not an object, lacks a key, has a value of the wrong type, a negative
-            norm, or names a layer twice in one step's rows (the message names ``layers.jsonl:LINE``).
+            norm, names a layer twice in one step's rows, or has a step not above the previous rows' (but for a
+            rolled-back try's rows) (the message names ``layers.jsonl:LINE``).
 
     Example:
         >>> import tempfile
@@ -104,15 +108,23 @@ def read_layers(run_dir: str | Path) -> list[dict[str, Any]]:
     path = Path(run_dir) / LAYERS
     rows: list[dict[str, Any]] = []
     seen: dict[str, int] = {}
+    trained: tuple[int, int] | None = None  # (step, line) of the last row of a try that was not rolled back
     for n, value in read_jsonl(path, what="layer log"):
         row = _row(value, f"{path}:{n}")
         if rows and _try(rows[-1]) != _try(row):
             seen = {}
+            if "rollback" not in row and trained is not None and row["step"] <= trained[0]:
+                raise UserError(
+                    f"{path}:{n}: step {row['step']} comes after step {trained[0]} (line {trained[1]}): a run's rows "
+                    f"go up in steps (a rolled-back try's excepted); {LAYERS_FIX}"
+                )
         first = seen.setdefault(row["layer"], n)
         if first != n:
             raise UserError(
                 f"{path}:{n}: layer {brief(row['layer'])} of step {row['step']} is on line {first} too; {LAYERS_FIX}"
             )
+        if "rollback" not in row:
+            trained = (row["step"], n)
         rows.append(row)
     return rows
 
@@ -136,6 +148,28 @@ def tries(rows: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
         else:
             out.append([row])
     return out
+
+
+def _names(group: list[dict[str, Any]]) -> list[str]:
+    return [row["layer"] for row in group]
+
+
+def latest_layers(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], int | None]:
+    """The rows since the layers last changed (a resume with another ``monitor.group``), and the step of the first
+    of them (None: the layers never changed, all the rows).
+
+    Example:
+        >>> rows = [{"step": 1, "layer": "a"}, {"step": 2, "layer": "a.w"}, {"step": 2, "layer": "a.b"}]
+        >>> latest_layers(rows)
+        ([{'step': 2, 'layer': 'a.w'}, {'step': 2, 'layer': 'a.b'}], 2)
+    """
+    groups = tries(rows)
+    start = len(groups) - 1
+    while start > 0 and _names(groups[start - 1]) == _names(groups[-1]):
+        start -= 1
+    if start <= 0:
+        return rows, None
+    return [row for group in groups[start:] for row in group], groups[start][0]["step"]
 
 
 def by_step(rows: list[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
@@ -192,9 +226,18 @@ def largest_update_ratios(rows: list[dict[str, Any]], n: int = 3) -> list[tuple[
         if row["update_ratio"] is not None:
             ratios.setdefault(row["layer"], []).append(row["update_ratio"])
     order = {layer: i for i, layer in enumerate(layer_order(rows))}
-    medians = [(layer, float(statistics.median(v))) for layer, v in ratios.items()]
+    medians = [(layer, _median(v)) for layer, v in ratios.items()]
     medians.sort(key=lambda lm: (-lm[1], order[lm[0]]))
     return medians[:n]
+
+
+def _median(values: list[float]) -> float:
+    """The median; two middle values near the largest float give their mean, not infinity."""
+    median = float(statistics.median(values))
+    if math.isinf(median):
+        ordered = sorted(values)
+        median = ordered[len(ordered) // 2 - 1] / 2 + ordered[len(ordered) // 2] / 2
+    return median
 
 
 def _spike_tries(groups: list[list[dict[str, Any]]], spike_steps: list[int]) -> list[int]:
@@ -214,7 +257,7 @@ def _ranked(spike: list[dict[str, Any]], history: dict[str, list[float]]) -> lis
     out = []
     for row in spike:
         before = history.get(row["layer"], [])
-        median = float(statistics.median(before)) if len(before) >= MIN_HISTORY else None
+        median = _median(before) if len(before) >= MIN_HISTORY else None
         norm = row["grad_norm"]
         ratio = norm / median if norm is not None and median else None
         ratio = ratio if ratio is None or math.isfinite(ratio) else None  # 1e300 / 1e-300: no number to rank by
@@ -241,7 +284,7 @@ def spike_layers(rows: list[dict[str, Any]], spike_steps: list[int]) -> list[dic
     for i in _spike_tries(groups, spike_steps):
         step = groups[i][0]["step"]
         history: dict[str, list[float]] = {}
-        for group in groups[:i]:
+        for group in (g for g in groups[:i] if _names(g) == _names(groups[i])):  # the same layers only
             for row in group:
                 if row["step"] < step and row["grad_norm"] is not None:
                     history.setdefault(row["layer"], []).append(row["grad_norm"])

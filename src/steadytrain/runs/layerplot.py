@@ -2,7 +2,9 @@
 
 Rows are the layers in model order (the first at the top), columns the monitored steps as written (one column
 each, so a refused step between two regular ones is as wide as they are; a step trained again after a rollback
-is a second column). Both colour scales are logarithmic; a null (not finite, or no update applied) or zero
+is a second column). At most :data:`MAX_ROWS` layers are drawn, the first in model order (the title says so when
+there are more: a row must be a few pixels high to be seen). Both colour scales are logarithmic, within
+:data:`SCALE` (a value beyond it takes the scale's end colour); a null (not finite, or no update applied) or zero
 value is left blank (grey). Loss spikes (``metrics.jsonl`` rows with ``spike: true``, and rolled-back spikes) are
 marked with a vertical line through their column, rollbacks with a dashed line after the rolled-back try.
 Drawn as :mod:`.plots` draws: the object API on the Agg canvas, a fixed size, written atomically and marked.
@@ -23,6 +25,10 @@ SIZE = (8.0, 7.0)
 """Inches: two heatmaps stacked."""
 MAX_LABELS = 32
 """At most this many layer names on the y axis (every k-th beyond)."""
+MAX_ROWS = 100
+"""At most this many layers drawn (the first in model order): a panel is some 270 pixels high."""
+SCALE = (1e-150, 1e150)
+"""The colour scales' limits: matplotlib's log scale fails on values near the ends of the float range."""
 PANELS = (
     ("grad_norm", "gradient norm by layer (before clipping)", "grad norm (L2, before clipping)", "magma"),
     ("update_ratio", "update ratio by layer", "update ratio ‖Δw‖ / ‖w‖ (per step)", "viridis"),
@@ -30,14 +36,15 @@ PANELS = (
 
 
 def _grid(groups: list[list[dict[str, Any]]], layers: list[str], key: str) -> Any:
-    """A layers x columns masked array of ``key``; null and zero cells masked (no colour on a log scale)."""
+    """A layers x columns masked array of ``key``; null and zero cells masked (no colour on a log scale); rows of
+    layers not in ``layers`` left out."""
     import numpy as np
 
     where = {layer: i for i, layer in enumerate(layers)}
     grid = np.full((len(layers), len(groups)), np.nan)
     for j, group in enumerate(groups):
         for row in group:
-            if row[key] is not None and row[key] > 0:
+            if row[key] is not None and row[key] > 0 and row["layer"] in where:
                 grid[where[row["layer"]], j] = row[key]
     return np.ma.masked_invalid(grid)
 
@@ -73,7 +80,7 @@ def _panel(fig: Any, ax: Any, grid: Any, layers: list[str], spec: tuple[str, str
         ax.set_xlim(-0.5, grid.shape[1] - 0.5)
         ax.set_ylim(len(layers) - 0.5, -0.5)
     else:
-        low, high = float(grid.min()), float(grid.max())
+        low, high = (min(max(float(x), SCALE[0]), SCALE[1]) for x in (grid.min(), grid.max()))
         norm = LogNorm(vmin=low, vmax=high if high > low else low * 10)
         colours = colormaps[cmap].with_extremes(bad="0.88")  # a blank cell: grey, not a colour of the scale
         image = ax.imshow(grid, aspect="auto", interpolation="nearest", cmap=colours, norm=norm)
@@ -94,6 +101,8 @@ def layers_plot(rec: RunRecord, path: Path) -> Path | None:
     if not rows:
         return None
     groups, layers = tries(rows), layer_order(rows)
+    shown = f" (the first {MAX_ROWS} of {len(layers)} layers)" if len(layers) > MAX_ROWS else ""
+    layers = layers[:MAX_ROWS]
     spikes, rolled = _marks(rec, groups)
     fig = _figure(SIZE)
     axes = fig.subplots(2, 1, sharex=True)
@@ -110,5 +119,5 @@ def layers_plot(rec: RunRecord, path: Path) -> Path | None:
     at, labels = _ticks(groups)
     axes[1].set_xticks(at, labels)
     axes[1].set_xlabel("monitored optimizer step (one column each; grey: not finite, no update, or 0)")
-    axes[0].set_title(f"{_label(rec.name)}: {PANELS[0][1]}")
+    axes[0].set_title(f"{_label(rec.name)}: {PANELS[0][1]}{shown}")
     return _save(fig, path)

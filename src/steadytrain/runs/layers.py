@@ -18,7 +18,7 @@ from steadytrain.rundir.layout import open_run_dir
 
 __all__ = ["NONE_RECORDED", "layer_step", "table_lines"]
 
-NONE_RECORDED = "no layer norms recorded (monitor.layers: off?)"
+NONE_RECORDED = "no layer norms recorded (monitor.layers: off, or monitor.every_steps more than the steps run?)"
 """What a run without ``layers.jsonl`` (or with an empty one) is told."""
 _HEADER = ("layer", "grad norm", "param norm", "update norm", "update ratio")
 

@@ -228,15 +228,16 @@ def summary_markdown(rec: RunRecord, rep: Report, stopped: str | None) -> str:
 def _layer_lines(rec: RunRecord) -> list[str]:
     """The summary's Layers part (``layers.jsonl``): the largest median update ratios, and each layer that never
     received a gradient, said plainly; nothing when the run recorded no layer norms."""
-    from steadytrain.diagnose.layers import largest_update_ratios, read_layers, zero_grad_layers
+    from steadytrain.diagnose.layers import largest_update_ratios, latest_layers, read_layers, zero_grad_layers
 
-    rows = read_layers(rec.run.path)
+    rows, since = latest_layers(read_layers(rec.run.path))
     if not rows:
         return []
     top = ", ".join(f"{md(layer)} {value:.3g}" for layer, value in largest_update_ratios(rows))
+    changed = f" from step {since} on, where the layers changed (monitor.group changed on a resume?)" if since else ""
     lines = [
-        "**Layers.** Largest update ratio ‖Δw‖ / ‖w‖ (median over the monitored steps that applied an update): "
-        f"{top or 'none recorded'} (`layers.jsonl`; `steadytrain layers RUN --step S` shows one step)."
+        "**Layers.** Largest update ratio ‖Δw‖ / ‖w‖ (median over the monitored steps that applied an update"
+        f"{changed}): {top or 'none recorded'} (`layers.jsonl`; `steadytrain layers RUN --step S` shows one step)."
     ]
     frozen = zero_grad_layers(rows)
     if frozen:

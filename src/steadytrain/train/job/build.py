@@ -6,6 +6,7 @@ Split from :mod:`steadytrain.train.job.loop` (which calls both) so the loop stay
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +39,8 @@ from steadytrain.train.setup.pieces import (
 from steadytrain.train.setup.speed import CompiledModel, speed_up
 
 __all__ = ["Pieces", "build_pieces", "start_metrics"]
+
+log = logging.getLogger("steadytrain.train")
 
 
 @dataclass
@@ -87,8 +90,15 @@ def start_metrics(
     plan, mon = p.plan, cfg.monitor
     layers = None
     if mon.layers == "norms":
-        layers = LayerMonitor(p.model, mon.group, mon.every_steps or cfg.run.log_every, lambda: state.step + 1)
+        every = mon.every_steps or cfg.run.log_every
+        layers = LayerMonitor(p.model, mon.group, every, lambda: state.step + 1)
         p.acc.observer = layers
+        if info.is_main and plan.total_steps // every == state.step // every:  # no multiple of it left to run
+            log.info(
+                "monitor.every_steps=%d%s: no step from %d to %d is monitored; layers.jsonl gets refused steps only "
+                "(give a smaller monitor.every_steps for layer norms)",
+                every, "" if mon.every_steps else " (run.log_every)", state.step + 1, plan.total_steps,
+            )  # fmt: skip
     return MetricsLog(
         run,
         info,

@@ -3,7 +3,8 @@
 A layer (``monitor.group``) is, with ``auto``, one block of the model's main ``ModuleList`` (the one holding most
 parameters; ``blocks.3``, ``model.layers.3``) or one other part beside it (``tok``, ``pos``, ``norm``, ``head``;
 ``model.embed_tokens``, ``lm_head``); with ``module``, each module that holds parameters; with ``parameter``, each
-parameter. Wrappers' names (DDP's ``module.``, compile's ``_orig_mod.``, activation checkpointing's) are left out.
+parameter. Wrappers' names (DDP's ``module.``, compile's ``_orig_mod.``, activation checkpointing's) are left out; a
+part of the user's own model named ``module`` stays (it is the model's, not a wrapper's).
 
 On a monitored step (every ``monitor.every_steps`` optimizer steps, and every refused step) the accumulator shows
 the monitor the gradients before clipping and the parameters after the update. Each parameter's norms are taken
@@ -19,6 +20,7 @@ no update (``update_norm`` and ``update_ratio`` null).
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -27,13 +29,18 @@ from torch import Tensor, nn
 
 from steadytrain._dtensor import local
 from steadytrain.clip import combine_norms, local_norms
+from steadytrain.train.observe.throughput import unwrap
 
-__all__ = ["KEYS", "LayerMonitor", "layer_of", "tracker_fields"]
+__all__ = ["KEYS", "LayerMonitor", "layer_of", "tracker_fields", "tracker_names"]
 
 KEYS = ("grad_norm", "param_norm", "update_norm", "update_ratio")
 """The values of a ``layers.jsonl`` row, besides ``step`` and ``layer``."""
 
-_WRAPPERS = {"module", "_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"}
+_WRAPPERS = {"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"}
+"""Parts a wrapper puts inside a parameter's name (compile, activation checkpointing, FSDP1). DDP's ``module.`` is
+not among them: a user's model may have a part of that name; DDP itself is unwrapped (:func:`unwrap`)."""
+_NOT_IN_KEYS = re.compile(r"[^\w\-. ]")
+"""Characters every tracker takes in a key's part (MLflow's set, less ``/``, which separates the parts)."""
 
 
 def _clean(name: str) -> str:
@@ -70,6 +77,7 @@ class LayerMonitor:
     """Watches the accumulator's cycles (its ``observer``) and keeps the rows of ``layers.jsonl`` until taken."""
 
     def __init__(self, model: nn.Module, group: str, every: int, next_step: Callable[[], int]) -> None:
+        model = unwrap(model)  # DDP's module. (and a whole-model compile's _orig_mod.): the names are the user's
         main = _main_list(model) if group == "auto" else None
         self._names = {id(p): layer_of(_clean(n), group, main) for n, p in model.named_parameters()}
         self.every, self.next_step = every, next_step
@@ -146,10 +154,34 @@ def _row(step: int, layer: str, grad: float, param: float, update: float | None 
             "update_ratio": ratio}  # fmt: skip
 
 
+def tracker_names(layers: list[str]) -> dict[str, str]:
+    """Each layer's part of a tracker key: its name, where a character a tracker refuses in a key (MLflow: a quote, a
+    newline; ``/`` would split the key) is ``_``, and distinct: a name changed so comes after the names kept, with
+    ``_2``, ``_3``... when taken (two layers never share a key, whose values would overwrite each other's).
+
+    Example:
+        >>> tracker_names(["blocks.0", 'parts.a"b', "parts.a/b", "parts.a_b"])
+        {'blocks.0': 'blocks.0', 'parts.a_b': 'parts.a_b', 'parts.a"b': 'parts.a_b_2', 'parts.a/b': 'parts.a_b_3'}
+    """
+    out = {layer: layer for layer in layers if not _NOT_IN_KEYS.search(layer)}
+    taken = set(out)
+    for layer in (x for x in layers if x not in out):
+        base = name = _NOT_IN_KEYS.sub("_", layer)
+        n = 1
+        while name in taken:
+            n += 1
+            name = f"{base}_{n}"
+        out[layer] = name
+        taken.add(name)
+    return out
+
+
 def tracker_fields(rows: list[dict[str, Any]]) -> dict[int, dict[str, float]]:
-    """``{step: {"layers/<layer>/<key>": value}}`` for the experiment trackers (null values left out)."""
+    """``{step: {"layers/<layer>/<key>": value}}`` for the experiment trackers (null values left out; ``<layer>``:
+    :func:`tracker_names`)."""
+    names = tracker_names(list(dict.fromkeys(r["layer"] for r in rows)))
     out: dict[int, dict[str, float]] = {}
     for r in rows:
         fields = out.setdefault(r["step"], {})
-        fields.update({f"layers/{r['layer']}/{k}": r[k] for k in KEYS if r.get(k) is not None})
+        fields.update({f"layers/{names[r['layer']]}/{k}": r[k] for k in KEYS if r.get(k) is not None})
     return out
