@@ -272,8 +272,19 @@ def two_ranks(tmp_path_factory) -> tuple[Path, list[int], list[subprocess.Comple
     cfg = train_config(data, epochs=1)
     cfg["batch"].update(micro_batch_size=b, global_batch_size=g)
     (tmp / "c.yaml").write_text(yaml.safe_dump(cfg))
-    (procs,) = cli_on_ranks(tmp, [["train", tmp / "c.yaml", "--run-dir", tmp / "run"]])
+    # on the same spawn: a learning rate far too high on clean data (a checkpoint every step, for triage)
+    lr_cfg = train_config(make_dataset(tmp / "clean", shards=16, bad_shard=None, seed=4), lr_too_high=True)
+    lr_cfg["checkpoint"] = {**lr_cfg.get("checkpoint", {}), "every_steps": 1, "keep_last": 1000}
+    (tmp / "lr.yaml").write_text(yaml.safe_dump(lr_cfg))
+    procs, LR_RUN["procs"] = cli_on_ranks(
+        tmp, [["train", tmp / "c.yaml", "--run-dir", tmp / "run"], ["train", tmp / "lr.yaml", "--run-dir", tmp / "lr"]]
+    )
+    LR_RUN["run"] = tmp / "lr"
     return tmp / "run", chosen, procs
+
+
+LR_RUN: dict = {}
+"""The 2-rank run of a learning rate far too high, trained by ``two_ranks`` on its spawn: ``run``, ``procs``."""
 
 
 @pytest.mark.distributed
@@ -291,16 +302,12 @@ def test_two_ranks_only_one_reads_the_bad_examples_attributes_them_to_it(two_ran
 
 
 @pytest.mark.distributed
-def test_triage_of_a_learning_rate_far_too_high_on_two_ranks_says_state(tmp_path):
-    data = make_dataset(tmp_path / "clean", shards=16, bad_shard=None, seed=4)
-    cfg = train_config(data, lr_too_high=True)
-    cfg["checkpoint"] = {**cfg.get("checkpoint", {}), "every_steps": 1, "keep_last": 1000}  # the state of each step
-    (tmp_path / "lr.yaml").write_text(yaml.safe_dump(cfg))
-    (procs,) = cli_on_ranks(tmp_path, [["train", tmp_path / "lr.yaml", "--run-dir", tmp_path / "lr"]])
+def test_triage_of_a_learning_rate_far_too_high_on_two_ranks_says_state(two_ranks):
+    lr, procs = LR_RUN["run"], LR_RUN["procs"]
     assert [p.returncode for p in procs] == [1, 1], procs[0].stderr[-3000:]  # 10 consecutive skips stop it
-    rep = report(tmp_path / "lr")
+    rep = report(lr)
     assert rep.verdict == "spread", rep.sentence
-    found = json.loads(in_process("triage", str(tmp_path / "lr"), "--step", str(rep.steps[0]), "--json").stdout)
+    found = json.loads(in_process("triage", str(lr), "--step", str(rep.steps[0]), "--json").stdout)
     assert found["verdict"] == "state", found
     replays = {r["variant"]: r for r in found["replays"]}
     assert not replays["recorded"]["finite"] and not replays["without_suspects"]["finite"]
