@@ -359,14 +359,45 @@ def read_jsonl(path: str | Path, *, what: str = "JSON-lines file") -> list[tuple
     last = last if last == len(lines) else 0  # a newline after it: the line was written whole
     out = []
     for n, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            value = _parse_line(line, f"{path}:{n}", what)
-        except UserError:
-            if n != last or not _torn(line):
-                raise
-            log.warning("%s: line %d is cut short (the writer was killed mid-write?): skipped", path, n)
-            continue
-        out.append((n, value))
+        if line.strip() and (value := _record(line, path, n, what, last=n == last)) is not _TORN:
+            out.append((n, value))
     return out
+
+
+_TORN = object()
+"""What :func:`_record` gives for a torn last line (skipped, with a warning)."""
+
+
+def _record(line: bytes, path: Path, n: int, what: str, *, last: bool) -> Any:
+    """Line ``n``'s value, by :func:`read_jsonl`'s one rule: ``_TORN`` for a torn last line (warned), else an error
+    for a malformed line."""
+    try:
+        return _parse_line(line, f"{path}:{n}", what)
+    except UserError:
+        if not last or not _torn(line):
+            raise
+        log.warning("%s: line %d is cut short (the writer was killed mid-write?): skipped", path, n)
+        return _TORN
+
+
+def rewrite_jsonl(path: str | Path, keep: Callable[[Any], bool], *, what: str = "JSON-lines file") -> None:
+    """Keep the lines of a JSON-lines log whose value ``keep`` accepts, in one atomic replace, a line at a time (a
+    log may be larger than :data:`MAX_LOG_BYTES`, the most read whole). Lines are checked as :func:`read_jsonl`
+    checks them (a torn last line is dropped with a warning); kept lines are copied byte for byte. Absent: nothing.
+    """
+    path = Path(path)
+    if not path.exists():
+        return
+    if not path.is_file():
+        raise UserError(f"{path}: not a regular file: move it aside (the run appends its {what} there)")
+
+    def copy(out: IO[bytes]) -> None:
+        with path.open("rb") as src:
+            for n, line in enumerate(src, start=1):
+                whole = line.endswith(b"\n")
+                body = line[:-1] if whole else line
+                value = _record(body, path, n, what, last=not whole) if body.strip() else _TORN
+                if value is not _TORN and keep(value):
+                    out.write(body + b"\n")
+
+    write_atomic(path, copy)

@@ -7,14 +7,12 @@ first, so every rank stops with the same one-line error instead of some waiting 
 
 from __future__ import annotations
 
-import json
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any
 
-from steadytrain._io import _parse_line, _torn, load_json, read_jsonl, write_atomic, write_text_atomic
+from steadytrain._io import load_json, rewrite_jsonl, write_text_atomic
 from steadytrain._text import md
 from steadytrain._yamlio import load_yaml
 from steadytrain.errors import UserError
@@ -196,39 +194,9 @@ def truncate_logs(run: RunDir, step: int, *, rollbacks: int | None) -> None:
             return rollbacks is None or row["rollback"] <= rollbacks
         return row["step"] <= step
 
-    for path in (run.metrics, run.nonfinite, run.spikes, run.path / "ranks.jsonl"):
-        if not path.exists() or (path == run.spikes and rollbacks is None):
-            continue
-        rows = read_jsonl(path, what=path.name)
-        write_text_atomic(path, "".join(json.dumps(r, allow_nan=False) + "\n" for _, r in rows if keep(r)))
-    if run.layers.exists():
-        _cut_by_line(run.layers, keep)
-
-
-def _cut_by_line(path: Path, keep: Callable[[Any], bool]) -> None:
-    """:func:`truncate_logs` for ``layers.jsonl``, a line at a time, by :func:`~steadytrain._io.read_jsonl`'s rules:
-    that file grows with the layers times the monitored steps, past the size a log is read whole (1 GiB), and a
-    resume or rollback must not stop there."""
-    if not path.is_file():
-        raise UserError(f"{path}: not a regular file: move it aside (the run writes its layer norms there)")
-
-    def copy(out: IO[bytes]) -> None:
-        with path.open("rb") as src:
-            for n, line in enumerate(src, start=1):
-                whole = line.endswith(b"\n")
-                if not line.strip():
-                    continue
-                try:
-                    row = _parse_line(line[:-1] if whole else line, f"{path}:{n}", "layer log")
-                except UserError:
-                    if whole or not _torn(line):
-                        raise
-                    log.warning("%s: line %d is cut short (the writer was killed mid-write?): skipped", path, n)
-                    continue
-                if keep(row):
-                    out.write(line if whole else line + b"\n")
-
-    write_atomic(path, copy)
+    for path in (run.metrics, run.nonfinite, run.spikes, run.layers, run.path / "ranks.jsonl"):
+        if path != run.spikes or rollbacks is not None:
+            rewrite_jsonl(path, keep, what=path.name)
 
 
 @dataclass(frozen=True)
