@@ -33,4 +33,6 @@ def local(grad: Tensor) -> Tensor:
 def shard_groups(grad: Tensor) -> tuple[dist.ProcessGroup, ...]:
     """Process groups of the mesh dimensions along which a DTensor is sharded."""
     mesh = grad.device_mesh
-    return tuple(mesh.get_group(d) for d, p in enumerate(grad.placements) if p.is_shard())
+    # FSDP2 over a tensor-parallel parameter shards it with a ``_StridedShard``, which is not ``is_shard()``: every
+    # placement that is neither replicated nor a pending sum holds part of the tensor
+    return tuple(mesh.get_group(d) for d, p in enumerate(grad.placements) if not (p.is_replicate() or p.is_partial()))

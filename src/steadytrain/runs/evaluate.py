@@ -22,6 +22,7 @@ from steadytrain.train.job.evaluate import evaluate
 from steadytrain.train.setup.config import TrainConfig, load_config
 from steadytrain.train.setup.distributed import DistInfo, init_distributed, teardown, wrap_model
 from steadytrain.train.setup.holdout import HeldOut, holdout
+from steadytrain.train.setup.mesh import join_mesh
 from steadytrain.train.setup.models import build_model
 from steadytrain.train.setup.pieces import (
     build_dataset,
@@ -31,6 +32,7 @@ from steadytrain.train.setup.pieces import (
     model_context,
     resolve_plan,
 )
+from steadytrain.train.setup.tensor_parallel import apply_tensor_parallel
 
 __all__ = ["evaluate_run"]
 
@@ -50,7 +52,7 @@ def _held_out(run: RunDir, held: HeldOut) -> list[int] | None:
 def _evalset(cfg: TrainConfig, run: RunDir, info: DistInfo, data: Path | None) -> Any:
     """The validation set the run used (its held-out shards or records, or ``eval.data``), or ``data`` in its place."""
     path = data_path(cfg)
-    layout = resolve_plan(cfg, info.world_size, None)
+    layout = resolve_plan(cfg, info.dp_size, None)
     held = holdout(cfg, path, layout.global_batch_size)  # the run's own draw
     shards, rows = _held_out(run, held), held.rows
     training = build_dataset(cfg, path, info, layout.accumulation_steps, shards, rows=held.training_rows)
@@ -75,11 +77,12 @@ def evaluate_run(run_dir: str | Path, *, step: int | None = None, data: str | Pa
     path = checkpoint_at(run.checkpoints, step)
     info = init_distributed(cfg.distributed.backend)  # under torchrun the ranks share the evaluation set
     try:
+        info = join_mesh(info, cfg.distributed)
         evalset = _evalset(cfg, run, info, Path(data) if data else None)
         torch.manual_seed(cfg.run.seed)
         model = build_model(cfg.model.name, cfg.model.kwargs(), context=model_context(cfg, data_path(cfg)))
         # as the run wrapped it (DDP broadcasts rank 0's weights here), so each rank loads the shards it holds
-        model = wrap_model(model, info, cfg.distributed.strategy, fsdp_policy(cfg))
+        model = wrap_model(apply_tensor_parallel(model, info), info, None, fsdp_policy(cfg, info.kind))
         state = restore(path, model, None, no_dist=info.backend is None)  # each rank reads what it holds
         result = evaluate(model, evalset, info, precision=cfg.precision)
         return result.row(int(state["step"])) | {"checkpoint": str(path)}

@@ -24,6 +24,7 @@ from steadytrain.train.observe.trackers import start_trackers
 from steadytrain.train.setup.config import TrainConfig
 from steadytrain.train.setup.distributed import DistInfo, wrap_model
 from steadytrain.train.setup.holdout import HeldOut, holdout
+from steadytrain.train.setup.mesh import join_mesh
 from steadytrain.train.setup.models import build_model
 from steadytrain.train.setup.pieces import (
     RunPlan,
@@ -37,6 +38,7 @@ from steadytrain.train.setup.pieces import (
     resolve_plan,
 )
 from steadytrain.train.setup.speed import CompiledModel, speed_up
+from steadytrain.train.setup.tensor_parallel import apply_tensor_parallel
 
 __all__ = ["Pieces", "build_pieces", "start_metrics"]
 
@@ -57,28 +59,34 @@ class Pieces:
     scaler: torch.amp.GradScaler | None
     acc: GradientAccumulator
     hf_files: dict[str, str]
+    info: DistInfo
+    """The job's place on every rank, with its layout (:func:`~steadytrain.train.setup.mesh.join_mesh`)."""
 
 
 def build_pieces(cfg: TrainConfig, info: DistInfo) -> Pieces:
+    """Every piece of the job on this rank, laid out over the ranks as ``distributed`` says (a mesh is built here:
+    every rank calls this)."""
     from steadytrain.env import seed_everything
 
+    info = join_mesh(info, cfg.distributed)  # a refused shape is refused on every rank alike, before any file
     seed_everything(cfg.run.seed, cfg.run.deterministic)
     path = data_path(cfg)
-    layout = resolve_plan(cfg, info.world_size, None)
+    layout = resolve_plan(cfg, info.dp_size, None)
     held = holdout(cfg, path, layout.global_batch_size)
     ds = build_dataset(cfg, path, info, layout.accumulation_steps, held.shards, rows=held.training_rows)
-    plan = resolve_plan(cfg, info.world_size, ds.steps_per_epoch, ds.dropped_per_epoch)
+    plan = resolve_plan(cfg, info.dp_size, ds.steps_per_epoch, ds.dropped_per_epoch)
     evalset = build_evalset(cfg, path, held.shards, info, ds, rows=held.rows)  # refused here, before any step
     torch.manual_seed(cfg.run.seed)  # the same initial weights on every rank
     model = build_model(cfg.model.name, cfg.model.kwargs(), context=model_context(cfg, path))
     hf_files = hf_run_files(model, path) if info.is_main else {}  # config.json, tokenizer: `export --format hf`
+    model = apply_tensor_parallel(model, info)  # torchtitan's order: tensor parallel, checkpointing, compile, shard
     compiled = speed_up(model, cfg.model, announce=info.is_main)  # checkpointing, then compile: before the wrap
     # DDP broadcasts rank 0's weights when built; fully_shard keeps each rank's shard of the equal, seeded weights
-    model = wrap_model(model, info, cfg.distributed.strategy, fsdp_policy(cfg))
+    model = wrap_model(model, info, None, fsdp_policy(cfg, info.kind))
     optimizer = build_optimizer(cfg, model, plan.lr, info.device)
     scaler = torch.amp.GradScaler(info.device.type) if cfg.precision == "fp16" else None
     acc = build_accumulator(cfg, model, optimizer, plan, scaler)
-    return Pieces(plan, held, ds, evalset, model, compiled, optimizer, scaler, acc, hf_files)
+    return Pieces(plan, held, ds, evalset, model, compiled, optimizer, scaler, acc, hf_files, info)
 
 
 def start_metrics(

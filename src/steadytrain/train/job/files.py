@@ -265,7 +265,8 @@ def record_nonfinite(job: Job, event: Any) -> None:
     """Append this rank's record of a refused step to the ledger (one write and fsync: survives a kill)."""
     from steadytrain.diagnose.ledger import append_event
 
-    append_event(job.run.nonfinite, event, job.state.step)
+    if job.info.tp_rank == 0:  # a tensor-parallel group saw the same examples: its first rank records them once
+        append_event(job.run.nonfinite, event, job.state.step)
     log.warning("step %d skipped on rank %d: %s", job.state.step, job.info.rank, event.message(job.state.step))
 
 

@@ -110,6 +110,7 @@ def _build(cfg: TrainConfig, info: DistInfo, where: _Where, signals: contextlib.
     """The whole job, before its first step: pieces, run directory, state, writer, a resume restored, metrics."""
     same_everywhere(info, flatten(cfg.to_dict()))  # before anything is built from it: one gather, at start
     p = build_pieces(cfg, info)
+    info = p.info  # with its layout: a mesh's tensor-parallel ranks read the same micro-batches
     manifest = runfiles.check_environment(cfg, info)  # before anything is written: a refusal leaves no run dir
     if where.auto_resume:  # rank 0 looks at the run directory; every rank gets its decision
         path = where.run_dir or Path(cfg.run.dir) / cfg.run.name

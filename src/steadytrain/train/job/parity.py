@@ -37,7 +37,7 @@ def parity_due(job: Job) -> bool:
         bool(every)
         and job.info.backend is not None
         and job.info.world_size > 1
-        and job.cfg.distributed.strategy == "ddp"
+        and job.info.kind == "ddp"
         and job.state.step % every == 0
     )
 

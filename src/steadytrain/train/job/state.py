@@ -126,6 +126,8 @@ class TrainState:
         size = max(max(shard_ids, default=-1) + 1, len(exposure))
         counts = torch.zeros(size, dtype=torch.int64)
         counts[: len(exposure)] = torch.from_numpy(exposure)
+        if info.tp_rank:
+            counts.zero_()  # the ranks of one tensor-parallel group saw the same examples: counted once
         if info.backend is not None:
             on = counts.to(info.device)  # NCCL reduces device tensors only
             dist.all_reduce(on)  # the ledger's denominator: examples seen on every rank, not just this one

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -40,10 +40,33 @@ class DistInfo:
     local_rank: int
     device: torch.device
     backend: str | None  # None: a single process, no process group
+    kind: str = "none"
+    """How the model is laid out over the ranks: ``none``, ``ddp``, ``fsdp`` or ``mesh`` (:mod:`.mesh`)."""
+    tp: int = 1
+    """Tensor-parallel degree: the ``tp`` neighbouring ranks of one group read the same micro-batches."""
+    mesh: Any = field(default=None, compare=False, repr=False)
+    """The ``(replicate, shard, tp)`` ``DeviceMesh`` when ``kind`` is ``mesh``."""
+    shape: tuple[int, int, int] | None = None
+    """``(replicate, shard, tp)`` when ``kind`` is ``mesh``."""
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's place among the data-parallel ranks (the micro-batches it reads)."""
+        return self.rank // self.tp
+
+    @property
+    def dp_size(self) -> int:
+        """The data-parallel degree: world size over the tensor-parallel degree."""
+        return self.world_size // self.tp
+
+    @property
+    def tp_rank(self) -> int:
+        """This rank's place in its tensor-parallel group (0: the one that records the group's examples)."""
+        return self.rank % self.tp
 
 
 def _env_int(name: str, default: int) -> int:
@@ -97,20 +120,24 @@ def mixed_precision(precision: str, param_dtype: str | None, reduce_dtype: str) 
     return MixedPrecisionPolicy(param_dtype=_DTYPES[param], reduce_dtype=_DTYPES[reduce_dtype])
 
 
-def wrap_model(model: nn.Module, info: DistInfo, strategy: str, mp_policy: Any = None) -> nn.Module:
+def wrap_model(model: nn.Module, info: DistInfo, strategy: str | None = None, mp_policy: Any = None) -> nn.Module:
     """DDP, or FSDP2 with every block of each ``nn.ModuleList`` and the root sharded (under ``mp_policy``,
-    a :func:`mixed_precision` policy, when given); alone: as is."""
+    a :func:`mixed_precision` policy, when given) over all ranks or, for a mesh, over its ``(replicate, shard)``
+    submesh (HSDP); alone: as is. ``strategy`` (``ddp``/``fsdp``), else ``info.kind``, says which
+    (:func:`~steadytrain.train.setup.mesh.join_mesh`)."""
     model = model.to(info.device)
     if info.backend is None:
         return model
-    if strategy == "ddp":
+    if (strategy or info.kind) in ("ddp", "none"):
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         # a collective: DDP broadcasts rank 0's parameters and buffers, so every replica starts from the same weights
         return DDP(model, device_ids=[info.device.index] if info.device.type == "cuda" else None)
     from torch.distributed.fsdp import fully_shard
 
-    policy = {} if mp_policy is None else {"mp_policy": mp_policy}
+    policy: dict[str, Any] = {} if mp_policy is None else {"mp_policy": mp_policy}
+    if info.mesh is not None:
+        policy["mesh"] = info.mesh["replicate", "shard"]  # after the tensor-parallel plan split the layers over tp
     for module in list(model.modules()):
         if isinstance(module, nn.ModuleList):
             for block in module:

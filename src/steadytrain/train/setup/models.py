@@ -36,7 +36,24 @@ from steadytrain._text import error_text
 from steadytrain.errors import UserError
 from steadytrain.train.hf.model import build_hf, is_hf
 
-__all__ = ["TabularModel", "TargetEncoding", "TinyLM", "build_model", "check_losses"]
+__all__ = ["Attention", "Block", "TabularModel", "TargetEncoding", "TinyLM", "build_model", "check_losses"]
+
+
+class Attention(nn.Module):
+    """Causal multi-head self-attention with separate query, key, value and output projections, so a tensor-parallel
+    plan can split the heads (query/key/value column-wise, output row-wise): the heads are counted from the
+    projection's output, whatever share of them this rank holds."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads, self.head_dim = heads, dim // heads
+        self.q, self.k, self.v, self.o = (nn.Linear(dim, dim) for _ in range(4))
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, t, _ = x.shape
+        q, k, v = (f(x).view(b, t, -1, self.head_dim).transpose(1, 2) for f in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(b, t, -1))
 
 
 class Block(nn.Module):
@@ -45,12 +62,11 @@ class Block(nn.Module):
     def __init__(self, dim: int, heads: int) -> None:
         super().__init__()
         self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
-        self.attn = nn.MultiheadAttention(dim, heads, batch_first=True)
+        self.attn = Attention(dim, heads)
         self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
 
-    def forward(self, x: Tensor, mask: Tensor) -> Tensor:
-        h = self.norm1(x)
-        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attn(self.norm1(x))
         return x + self.mlp(self.norm2(x))
 
 
@@ -83,12 +99,30 @@ class TinyLM(nn.Module):
         if t > self.seq_len:
             raise UserError(f"sequences of {t} bytes are longer than model.seq_len={self.seq_len}")
         x = self.tok(x_in) + self.pos(torch.arange(t, device=x_in.device))
-        mask = torch.triu(torch.full((t, t), float("-inf"), device=x.device), diagonal=1)
         for block in self.blocks:
-            x = block(x, mask)
+            x = block(x)
         logits = self.head(self.norm(x))
         loss = F.cross_entropy(logits.transpose(1, 2), target, reduction="none")  # [B, T]
         return loss.mean(dim=1)  # one loss per sequence
+
+    def tp_plan(self, mesh: Any) -> dict[str, Any]:
+        """The tensor-parallel plan (``parallelize_module``'s): in every block the attention's query, key and value
+        column-wise (each rank holds ``heads / tp`` heads) and its output row-wise, the MLP's first linear
+        column-wise and its second row-wise (one all-reduce after each); embeddings, norms and the head replicated."""
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+        tp = mesh.size()
+        heads = self.blocks[0].attn.heads if len(self.blocks) else tp
+        if heads % tp:
+            raise UserError(f"model.heads={heads} does not split over distributed.mesh.tp={tp}: give a divisor")
+        plan: dict[str, Any] = {}
+        for i in range(len(self.blocks)):
+            for name in ("q", "k", "v"):
+                plan[f"blocks.{i}.attn.{name}"] = ColwiseParallel()
+            plan[f"blocks.{i}.attn.o"] = RowwiseParallel()
+            plan[f"blocks.{i}.mlp.0"] = ColwiseParallel()
+            plan[f"blocks.{i}.mlp.2"] = RowwiseParallel()
+        return plan
 
 
 class TargetEncoding(nn.Module):

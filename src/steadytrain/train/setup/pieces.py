@@ -34,6 +34,7 @@ from steadytrain.schedule import BatchPlan, warmup_schedule
 from steadytrain.train.hf.model import is_hf
 from steadytrain.train.setup.config import TrainConfig
 from steadytrain.train.setup.distributed import DistInfo, mixed_precision
+from steadytrain.train.setup.mesh import layout_kind
 
 __all__ = [
     "RunPlan",
@@ -139,8 +140,8 @@ def build_dataset(
     return BatchedDataset(
         path,
         shards=shards,
-        rank=info.rank,
-        world_size=info.world_size,
+        rank=info.dp_rank,  # the ranks of one tensor-parallel group read the same micro-batches
+        world_size=info.dp_size,
         batch_size=cfg.batch.micro_batch_size,
         accumulation_steps=accumulation_steps,
         shuffle=True,
@@ -178,8 +179,8 @@ def build_evalset(
         evalset = EvalSet(
             Path(cfg.eval.data) if cfg.eval.data is not None else path,
             shards=held_out,
-            rank=info.rank,
-            world_size=info.world_size,
+            rank=info.dp_rank,
+            world_size=info.dp_size,
             batch_size=b,
             max_examples=cfg.eval.max_batches * b if cfg.eval.max_batches else None,
             schema=schema,
@@ -284,10 +285,13 @@ def token_context(provenance: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def fsdp_policy(cfg: TrainConfig) -> Any:
-    """FSDP2's mixed-precision policy for the run (``precision`` and ``distributed.fsdp_*``); None under DDP."""
+def fsdp_policy(cfg: TrainConfig, kind: str | None = None) -> Any:
+    """FSDP2's mixed-precision policy for the run (``precision`` and ``distributed.fsdp_*``); None under DDP.
+    ``kind``: the job's layout (``DistInfo.kind``), else as the config says."""
     d = cfg.distributed
-    return mixed_precision(cfg.precision, d.fsdp_param_dtype, d.fsdp_reduce_dtype) if d.strategy == "fsdp" else None
+    if kind is None:
+        kind = layout_kind(d.mesh.shape) if d.mesh is not None else ("fsdp" if d.strategy == "fsdp" else "ddp")
+    return mixed_precision(cfg.precision, d.fsdp_param_dtype, d.fsdp_reduce_dtype) if kind in ("fsdp", "mesh") else None
 
 
 def build_optimizer(cfg: TrainConfig, model: nn.Module, lr: float, device: torch.device) -> torch.optim.Optimizer:

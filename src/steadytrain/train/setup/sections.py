@@ -8,7 +8,7 @@ from __future__ import annotations
 import types
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from steadytrain.schedule import MAX_COUNT
 
@@ -17,6 +17,7 @@ __all__ = [
     "ClipConfig",
     "DistributedConfig",
     "EnvConfig",
+    "MeshConfig",
     "NonFiniteConfig",
     "ProfileConfig",
     "Section",
@@ -54,9 +55,66 @@ class ClipConfig(Section):
     """Element-wise clamp to [-clip_value, clip_value] (a different algorithm)."""
 
 
+MESH_DIMS = ("replicate", "shard", "tp")
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+    """``"replicate=2,shard=4,tp=1"`` as a dict (a dimension left out is 1); a ValueError names what is wrong.
+
+    Example:
+        >>> parse_mesh("shard=2, tp=2")
+        {'shard': 2, 'tp': 2}
+    """
+    out: dict[str, int] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, sep, value = part.partition("=")
+        name = name.strip()
+        if not sep or name not in MESH_DIMS:
+            raise ValueError(f"{part!r} is not one of replicate=R, shard=S, tp=T (e.g. replicate=2,shard=4)")
+        if name in out:
+            raise ValueError(f"{name} is given twice")
+        try:
+            out[name] = int(value.strip())
+        except ValueError:
+            raise ValueError(f"{name}={value.strip()!r} is not a whole number") from None
+    if not out:
+        raise ValueError("no dimension given: write replicate=R,shard=S,tp=T")
+    return out
+
+
+class MeshConfig(Section):
+    replicate: int = Field(default=1, ge=1, le=1 << 20)
+    """Replicas of the whole model (across nodes, for HSDP); gradients are all-reduced over them."""
+    shard: int = Field(default=1, ge=1, le=1 << 20)
+    """Ranks the parameters, gradients and optimizer state are sharded over (FSDP2, within a node for HSDP)."""
+    tp: int = Field(default=1, ge=1, le=1 << 20)
+    """Tensor-parallel degree: ranks that split each layer's matrices (the model's ``tp_plan``); they read the same
+    micro-batches."""
+
+    @classmethod
+    def of(cls, value: Any) -> Any:
+        return parse_mesh(value) if isinstance(value, str) else value
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return self.replicate, self.shard, self.tp
+
+
+_FITS = {
+    "ddp": "ddp replicates the whole model (shard=1, tp=1)",
+    "fsdp": "fsdp shards without replicas (replicate=1)",
+    "hsdp": "hsdp needs replicate >= 2 and shard >= 2",
+}
+
+
 class DistributedConfig(Section):
-    strategy: Literal["ddp", "fsdp"] = "ddp"
-    """DDP, or FSDP2 (``fully_shard``) under torchrun."""
+    strategy: Literal["ddp", "fsdp", "hsdp"] | None = None
+    """DDP (``{replicate: W}``, the default), FSDP2 (``fully_shard``, ``{shard: W}``) or HSDP (replicate across
+    nodes, shard within: needs ``mesh``) under torchrun. With ``mesh`` given the mesh decides: leave it out."""
+    mesh: MeshConfig | None = None
+    """The device mesh ``{replicate: R, shard: S, tp: T}`` (or ``"replicate=R,shard=S,tp=T"``), ``R*S*T`` = world
+    size: HSDP and FSDP2 x tensor parallel on one ``DeviceMesh``. The data-parallel degree is ``R*S``. Default: as
+    ``strategy`` says."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """``auto``: NCCL on GPU, gloo on CPU."""
     fsdp_param_dtype: Literal["bf16", "fp32"] | None = None
@@ -64,6 +122,35 @@ class DistributedConfig(Section):
     ``precision: bf16``, else fp32, no policy)."""
     fsdp_reduce_dtype: Literal["bf16", "fp32"] = "fp32"
     """FSDP2 mixed precision: the dtype gradients are reduce-scattered in (fp32: exact sums across ranks)."""
+
+    @field_validator("mesh", mode="before")
+    @classmethod
+    def _mesh_text(cls, value: Any) -> Any:
+        return MeshConfig.of(value)
+
+    @model_validator(mode="after")
+    def _strategy_fits_mesh(self) -> DistributedConfig:
+        """A strategy given beside a mesh must be the mesh's: ``ddp`` replicates only, ``fsdp`` does not replicate,
+        ``hsdp`` replicates and shards."""
+        m, s = self.mesh, self.strategy
+        if m is None:
+            if s == "hsdp":
+                raise ValueError("strategy=hsdp needs mesh: {replicate: R, shard: S} (e.g. R nodes of S GPUs each)")
+            return self
+        if s is None:
+            return self
+        wrong = {
+            "ddp": m.shard > 1 or m.tp > 1,
+            "fsdp": m.replicate > 1,
+            "hsdp": m.replicate < 2 or m.shard < 2,
+        }[s]
+        if wrong:
+            raise ValueError(
+                f"strategy={s} does not fit mesh replicate={m.replicate},shard={m.shard},tp={m.tp}: "
+                f"{_FITS[s]}, or leave strategy out (the mesh decides)"
+            )
+        return self
+
     parity_every_steps: int = Field(default=100, ge=0)
     """Every this many optimizer steps the DDP replicas compare a checksum of their parameters (one small
     all-gather; 0 = off): a rank whose values differ is recorded in ``RUN/parity.jsonl``."""
