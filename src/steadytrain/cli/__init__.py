@@ -12,6 +12,7 @@ from steadytrain.cli.data import data
 from steadytrain.cli.env import env
 from steadytrain.cli.evaluate import eval_cmd, export_cmd
 from steadytrain.cli.nan import demo, nan
+from steadytrain.cli.parallel import check_parallel_cmd
 from steadytrain.cli.plan import plan
 from steadytrain.cli.runs import compare, hangs, layers, ranks, report, repro, sweep, triage
 from steadytrain.cli.spikes import spikes
@@ -43,6 +44,7 @@ cli.add_command(hangs)
 cli.add_command(ranks)
 cli.add_command(layers)
 cli.add_command(triage)
+cli.add_command(check_parallel_cmd)
 
 
 def wants_json(argv: list[str]) -> bool:
