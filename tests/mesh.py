@@ -11,6 +11,7 @@ norm bug: the forward is right, the norm's gradient is one rank's part of it).
 
 from __future__ import annotations
 
+import json
 import shutil
 from dataclasses import dataclass
 from functools import partial
@@ -69,8 +70,14 @@ def factory(**kw):
     return PlantedTP(**kw)
 '''
 
+TINY_LM = ("model.dim=32", "model.layers=2", "model.heads=4")
+HF_LLAMA = (
+    "model.name=hf:llama", "model.num_hidden_layers=2", "model.hidden_size=32", "model.num_attention_heads=4",
+    "model.num_key_value_heads=2", "model.intermediate_size=64", "model.max_position_embeddings=64",
+)  # fmt: skip
+"""transformers' Llama: its own tensor-parallel plan (q/k/v/gate/up column-wise, o/down row-wise)."""
 COMMON = (
-    "model.dim=32", "model.layers=2", "model.heads=4", "data.seq_len=32", "batch.micro_batch_size=2",
+    "data.seq_len=32", "batch.micro_batch_size=2",
     "batch.global_batch_size=8", "batch.base_batch_size=8", "batch.base_lr=0.01", "run.max_steps=4",
     "run.log_every=1", "monitor.every_steps=1", "monitor.group=module", "eval.every_steps=2",
     "eval.holdout_shards=1", "checkpoint.every_steps=2", "checkpoint.keep_last=5",
@@ -78,11 +85,13 @@ COMMON = (
 """2 micro-batches of 2 on each of 2 data-parallel ranks per step (1 on 4): accumulation re-derived per layout."""
 
 LAYOUTS = {"st": "shard=2,tp=2", "rs": "replicate=2,shard=2"}
+"""Two layouts of tiny-lm."""
 RESUMED = {"st_s4": "shard=4", "st_rs": "replicate=2,shard=2"}
 """Copies of ``st`` cut back to its step-2 checkpoint, resumed on another mesh."""
 EXTRA = {
-    "bf16": ("distributed.mesh=shard=2,tp=2", "precision=bf16", "model.compile=true", "run.max_steps=2"),
-    "nan": ("distributed.mesh=shard=2,tp=2", "model.name=planted_tp:factory", "model.nan_at=5", "run.max_steps=4"),
+    "bf16": (*TINY_LM, "distributed.mesh=shard=2,tp=2", "precision=bf16", "model.compile=true", "run.max_steps=2"),
+    "nan": (*TINY_LM, "distributed.mesh=shard=2,tp=2", "model.name=planted_tp:factory", "model.nan_at=5"),
+    "hf": (*HF_LLAMA, "distributed.mesh=shard=2,tp=2", "run.max_steps=2"),
 }
 """Rank 1's forward number 5 is its first of step 3 (2 micro-batches a step)."""
 
@@ -93,6 +102,17 @@ def cut_to_step(run: Path, to: Path, step: int) -> None:
     for ck in (to / "checkpoints").iterdir():
         if ck.name.startswith("step-") and int(ck.name.split("-")[1]) > step:
             shutil.rmtree(ck)
+
+
+def copy_run_with(run: Path, to: Path, log: str, step: int, layer: str | None, key: str) -> Path:
+    """A copy of ``run`` whose ``log`` row at ``step`` (of ``layer``) has ``key`` 1% larger: a planted difference."""
+    shutil.copytree(run, to)
+    rows = [json.loads(x) for x in (to / log).read_text().splitlines()]
+    for row in rows:
+        if row.get("step") == step and row.get("layer") == layer and row.get(key) is not None:
+            row[key] *= 1.01
+    (to / log).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return to
 
 
 @dataclass(frozen=True)
@@ -112,7 +132,7 @@ def train_mesh(root: Path) -> MeshRuns:
     runs = {name: root / name for name in [*LAYOUTS, *RESUMED, *EXTRA]}
     base = (*COMMON, f"data.path={data}")
     commands: list = [
-        ["train", "--run-dir", runs[n], *sets(*base, f"distributed.mesh={m}")] for n, m in LAYOUTS.items()
+        ["train", "--run-dir", runs[n], *sets(*base, *TINY_LM, f"distributed.mesh={m}")] for n, m in LAYOUTS.items()
     ]
     names = list(LAYOUTS)
     for name, mesh in RESUMED.items():
@@ -122,5 +142,5 @@ def train_mesh(root: Path) -> MeshRuns:
     for name, extra in EXTRA.items():
         commands.append(["train", "--run-dir", runs[name], *sets(*base, *extra)])
         names.append(name)
-    done = cli_on_ranks(root, commands, world_size=4, PYTHONPATH=str(pkg))
+    done = cli_on_ranks(root, commands, world_size=4, PYTHONPATH=str(pkg), HF_HUB_OFFLINE="1")
     return MeshRuns(pkg, data, runs, {n: d for n, d in zip(names, done, strict=True) if d is not None})

@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from tests.mesh import COMMON, cut_to_step, train_mesh
+from steadytrain.runs.parallel import compare_runs
+from tests.mesh import COMMON, HF_LLAMA, TINY_LM, copy_run_with, cut_to_step, train_mesh
 from tests.train_utils import evals, metrics, run_cli, train
 
 pytestmark = pytest.mark.distributed
@@ -35,10 +36,11 @@ def one(mesh, tmp_path_factory):
     """The same config on one rank, in this process: the reference."""
     root = tmp_path_factory.mktemp("one")
     base = (*COMMON, f"data.path={mesh.data}")
-    train(root / "fp32", *base)
-    train(root / "bf16", *base, "precision=bf16", "run.max_steps=2")
+    train(root / "fp32", *base, *TINY_LM)
+    train(root / "bf16", *base, *TINY_LM, "precision=bf16", "run.max_steps=2")
+    train(root / "hf", *base, *HF_LLAMA, "run.max_steps=2", HF_HUB_OFFLINE="1")
     cut_to_step(mesh.runs["st"], root / "st_one", 2)
-    train(root / "st_one", args=("--resume", str(root / "st_one")), *("distributed.mesh=null",))
+    train(root / "st_one", "distributed.mesh=null", args=("--resume", str(root / "st_one")))
     return root
 
 
@@ -131,3 +133,25 @@ def test_bf16_and_compile_on_the_mesh_train_like_one_rank_in_bf16(mesh, one):
     assert len(got) == len(ref) == 2
     for g, r in zip(got, ref, strict=True):
         assert _close(g["loss"], r["loss"], 2e-2) and _close(g["grad_norm"], r["grad_norm"], 5e-2), (g, r)
+
+
+def test_an_hf_llama_splits_by_transformers_own_plan_and_trains_like_one_rank(mesh, one):
+    assert "tensor parallel: 7 modules split over tp=2" in mesh.results["hf"][0].stderr
+    got, ref = metrics(mesh.runs["hf"]), metrics(one / "hf")
+    assert len(got) == len(ref) == 2
+    for g, r in zip(got, ref, strict=True):
+        assert _close(g["loss"], r["loss"]) and _close(g["grad_norm"], r["grad_norm"]), (g, r)
+
+
+def test_check_parallel_comparison_finds_agreement_and_names_a_doctored_value(mesh, one, tmp_path):
+    steps, worst, first = compare_runs(mesh.runs["st"], one / "fp32", RTOL)
+    assert (steps, first) == (4, None) and worst is not None and 0 < worst < RTOL
+    # one layer's gradient norm off at step 3 (everything else equal): that layer, that step, that metric
+    doctored = copy_run_with(mesh.runs["st"], tmp_path / "a", "layers.jsonl", 3, "blocks.1.mlp.0", "grad_norm")
+    assert compare_runs(doctored, one / "fp32", RTOL)[2] | {"values": None, "rel_diff": None} == {
+        "step": 3, "metric": "grad_norm", "layer": "blocks.1.mlp.0", "values": None, "rel_diff": None,
+    }  # fmt: skip
+    # a loss off at step 2 comes before any layer of that step: a forward difference has no layer
+    doctored = copy_run_with(mesh.runs["st"], tmp_path / "b", "metrics.jsonl", 2, None, "loss")
+    first = compare_runs(doctored, one / "fp32", RTOL)[2]
+    assert (first["step"], first["metric"], first["layer"]) == (2, "loss", None)

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from steadytrain._io import brief
+from steadytrain._text import one_line
 from steadytrain.diagnose.layers import layer_order, read_layers
 from steadytrain.errors import UserError
 from steadytrain.runs.record import load_run
@@ -155,9 +156,11 @@ def _run_argv(config: str | None, overrides: list[str], shape: tuple[int, int, i
 
 
 def _last_error(log_path: Path) -> str:
-    lines = [x.strip() for x in log_path.read_text(errors="replace").splitlines() if x.strip()]
-    errors = [x[x.index("error:") :] for x in lines if "error:" in x]
-    return brief((errors or lines or ["(no output)"])[-1], 300)
+    """The training's own one-line error (the last ``error:`` line of its log), else its last line."""
+    lines = [one_line(x.strip()) for x in log_path.read_text(errors="replace").splitlines() if x.strip()]
+    errors = [x[x.index("error:") + len("error:") :].strip() for x in lines if "error:" in x]
+    text = (errors or lines or ["(no output)"])[-1]
+    return text if len(text) <= 300 else text[:297] + "..."
 
 
 def _train(config: str | None, overrides: list[str], shape: tuple[int, int, int], run_dir: Path) -> None:
@@ -183,7 +186,7 @@ def _sentence(check: dict[str, Any], mesh: str, against: str) -> str:
         shown = "0" if not worst else f"{worst:.2g}"
         return f"{mesh} and {against} agree over {check['steps']} steps (largest relative difference {shown})"
     where = f"{first['metric']}" + (f" of layer {first['layer']}" if first["layer"] else "")
-    a, b = first["values"]
+    a, b = (f"{v:.6g}" if isinstance(v, float) else str(v) for v in first["values"])
     return f"{mesh} and {against} first differ at step {first['step']}: {where} ({a} on {mesh}, {b} on {against})"
 
 
