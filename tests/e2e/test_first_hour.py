@@ -87,8 +87,10 @@ BAD = {
     "ranks": ["ranks", "{missing}", "--json"],
     "triage": ["triage", "{missing}", "--step", "1", "--json"],
     "layers": ["layers", "{missing}", "--json"],
+    "check-parallel": ["check-parallel", "{missing}", "--mesh", "tp=2", "--json"],
 }
-"""A bad input to each ``--json`` command: a run directory that does not exist (plan: a zero batch)."""
+"""A bad input to each ``--json`` command: a run directory that does not exist (plan: a zero batch; check-parallel: a
+config file)."""
 
 
 def test_every_json_command_is_covered():
