@@ -164,9 +164,12 @@ def config_group() -> None:
 @click.argument("config", required=False, type=click.Path(dir_okay=False))
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a config key.")
 @click.option(
-    "--world-size", type=click.IntRange(1, 1_000_000), default=1, show_default=True, help="Ranks to plan for."
+    "--world-size",
+    type=click.IntRange(1, 1_000_000),
+    default=None,
+    help="Ranks to plan for (default: the ranks of distributed.mesh, else 1).",
 )
-def show(config: str | None, overrides: tuple[str, ...], world_size: int) -> None:
+def show(config: str | None, overrides: tuple[str, ...], world_size: int | None) -> None:
     """Print the resolved config and its batch plan (effective batch, scaled LR, warmup and total steps)."""
     from steadytrain.train.setup.config import load_config
 
@@ -175,9 +178,13 @@ def show(config: str | None, overrides: tuple[str, ...], world_size: int) -> Non
 
     from steadytrain.train.setup.distributed import DistInfo
     from steadytrain.train.setup.holdout import holdout
+    from steadytrain.train.setup.mesh import mesh_shape
     from steadytrain.train.setup.pieces import build_dataset, check_model_args, data_path, resolve_plan
 
     check_model_args(cfg, user_code=False)  # inspecting a config never runs a factory it names
+    mesh = cfg.distributed.mesh
+    world_size = world_size or (mesh.replicate * mesh.shard * mesh.tp if mesh is not None else 1)
+    world_size //= mesh_shape(cfg.distributed, world_size)[2]  # the data-parallel degree: tp ranks share batches
     layout = resolve_plan(cfg, world_size, None)
     info = DistInfo(0, world_size, 0, torch.device("cpu"), None)
     held = holdout(cfg, data_path(cfg), layout.global_batch_size)  # the plan counts what the run trains on

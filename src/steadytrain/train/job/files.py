@@ -256,6 +256,12 @@ def log_start(job: Job) -> None:
         p.total_steps,
     )
     log.info("%s", decay_listing(job.optimizer, job.cfg.optim.no_decay))
+    if job.info.shape is not None:
+        r, s, t = job.info.shape
+        log.info(
+            "mesh replicate=%d x shard=%d x tp=%d on %d ranks: the world above is the %d data-parallel ranks (the %d "
+            "ranks of a tensor-parallel group read the same micro-batches)", r, s, t, job.info.world_size, r * s, t,
+        )  # fmt: skip
     if p.dropped_per_epoch:
         log.info("%d example(s) per epoch do not fill a global batch and are not used", p.dropped_per_epoch)
     log.info("run directory: %s", job.run.path)
