@@ -133,7 +133,9 @@ def train(
     if nproc is not None and "RANK" not in os.environ:
         from steadytrain.train.setup.pieces import check_before_launch
 
-        check_before_launch(cfg, run_dir=Path(run_dir) if run_dir else None, resume=resume is not None or auto)
+        check_before_launch(
+            cfg, run_dir=Path(run_dir) if run_dir else None, resume=resume is not None or auto, world_size=nproc
+        )
         _handoff(nproc, sys.argv[1:], max_restarts)  # every mistake found here is said once, not once per rank
     from steadytrain.runs.report import report_after_training
     from steadytrain.train.job.loop import TrainingStopped

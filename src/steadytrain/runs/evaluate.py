@@ -3,7 +3,9 @@
 The model is built and wrapped as the run built it (DDP or FSDP2 under torchrun, alone otherwise),
 its weights are a checkpoint's, and the pass is :func:`~steadytrain.train.job.evaluate.evaluate`, the
 one the training loop runs, with the run's ``eval`` settings (micro-batch size, ``max_batches``):
-so ``eval RUN --step S`` gives the value ``metrics.jsonl`` recorded at step ``S``.
+so ``eval RUN --step S`` gives the value ``metrics.jsonl`` recorded at step ``S``. A run trained on a
+``distributed.mesh`` of another number of ranks is evaluated on the ranks this command has (the checkpoint reshards):
+FSDP2 over them when the mesh sharded the model, else DDP.
 """
 
 from __future__ import annotations
@@ -66,6 +68,16 @@ def _evalset(cfg: TrainConfig, run: RunDir, info: DistInfo, data: Path | None) -
     return build_evalset(cfg, path, shards, info, training, rows=rows)
 
 
+def _on_these_ranks(cfg: TrainConfig, world_size: int) -> TrainConfig:
+    """``cfg`` laid out on ``world_size`` ranks: as it is when its mesh (if any) has that many ranks, else without
+    the mesh (FSDP2 when the mesh sharded or split the model, else DDP)."""
+    d = cfg.distributed
+    if d.mesh is None or d.mesh.replicate * d.mesh.shard * d.mesh.tp == world_size:
+        return cfg
+    strategy = "fsdp" if d.mesh.shard > 1 or d.mesh.tp > 1 else "ddp"
+    return cfg.model_copy(update={"distributed": d.model_copy(update={"mesh": None, "strategy": strategy})})
+
+
 def evaluate_run(run_dir: str | Path, *, step: int | None = None, data: str | Path | None = None) -> dict[str, Any]:
     """``{"step", "val_loss", "val_items"}`` of the run's checkpoint at ``step`` (default: the latest).
 
@@ -77,6 +89,7 @@ def evaluate_run(run_dir: str | Path, *, step: int | None = None, data: str | Pa
     path = checkpoint_at(run.checkpoints, step)
     info = init_distributed(cfg.distributed.backend)  # under torchrun the ranks share the evaluation set
     try:
+        cfg = _on_these_ranks(cfg, info.world_size)  # a run of 4 ranks is evaluated alone, as its checkpoint allows
         info = join_mesh(info, cfg.distributed)
         evalset = _evalset(cfg, run, info, Path(data) if data else None)
         torch.manual_seed(cfg.run.seed)

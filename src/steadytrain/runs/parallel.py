@@ -190,6 +190,27 @@ def _sentence(check: dict[str, Any], mesh: str, against: str) -> str:
     return f"{mesh} and {against} first differ at step {first['step']}: {where} ({a} on {mesh}, {b} on {against})"
 
 
+def _claim(out: Path) -> None:
+    """Make ``out`` this check's own: a new or empty directory, claimed by creating ``.check-parallel`` in it
+    exclusively (two checks started together into one directory: the second is refused, not interleaved)."""
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {brief(str(out))} is a file: give a new directory")
+    if out.exists() and any(out.iterdir()):
+        raise UserError(f"--out {brief(str(out))} is not empty: give a new directory (a check never overwrites one)")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        fd = os.open(out / ".check-parallel", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        raise UserError(
+            f"--out {brief(str(out))} was just claimed by another check-parallel: give each check its own directory"
+        ) from None
+    except OSError as err:
+        where = brief(str(out))
+        raise UserError(f"--out {where}: cannot create it ({err.strerror}): give a writable directory") from None
+    with os.fdopen(fd, "w") as f:
+        f.write(f"{os.getpid()}\n")
+
+
 def check_parallel(
     config: str | None,
     overrides: list[str],
@@ -201,18 +222,27 @@ def check_parallel(
 ) -> ParallelCheck:
     """Train ``steps`` steps of the config on ``mesh`` and on ``against`` under ``out`` and compare them."""
     from steadytrain.train.setup.config import load_config
+    from steadytrain.train.setup.pieces import check_model_args
 
     if mesh == against:
         raise UserError(f"--mesh and --against are both {mesh_text(mesh)}: compare two different layouts")
+    if rtol is not None and not 0 < rtol <= 1:  # NaN too: nothing is ever above a NaN tolerance
+        raise UserError(f"--rtol {rtol}: give a relative tolerance above 0 and at most 1 (e.g. 1e-4)")
+    mine = next((o for o in overrides if o.partition("=")[0].strip().startswith("distributed.mesh")), None)
+    if mine is not None:
+        raise UserError(
+            f"--set {brief(mine)}: check-parallel sets each run's distributed.mesh from --mesh and --against: "
+            "give the layouts there"
+        )
     forced = [
         f"run.max_steps={steps}", "run.log_every=1", "monitor.layers=norms", "monitor.every_steps=1",
         "monitor.group=module",
     ]  # fmt: skip
-    cfg = load_config(config, [*overrides, *forced])  # a wrong key or value is refused before any training
+    for shape in (mesh, against):  # a wrong key or value, a strategy or model the layout cannot take: before training
+        cfg = load_config(config, [*overrides, *forced, f"distributed.mesh={mesh_text(shape)}"])
+        check_model_args(cfg)  # on the meta device; tiny-lm's heads over tp, transformers' plan
     tol = rtol if rtol is not None else DEFAULT_RTOL.get(cfg.precision, 1e-4)
-    if out.exists() and any(out.iterdir()):
-        raise UserError(f"--out {brief(str(out))} is not empty: give a new directory (a check never overwrites one)")
-    out.mkdir(parents=True, exist_ok=True)
+    _claim(out)
     names = {"mesh": mesh_text(mesh), "against": mesh_text(against)}
     dirs = {key: out / name.replace(",", "_").replace("=", "") for key, name in names.items()}
     for key, shape in (("mesh", mesh), ("against", against)):

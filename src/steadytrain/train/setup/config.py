@@ -334,10 +334,16 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     for item in overrides:
         path, value = _parse_set(item)
         node = out
-        for part in path[:-1]:
-            child = node.setdefault(part, {})
+        for i, part in enumerate(path[:-1]):
+            if node.get(part) is None:  # absent, or null (a saved run's `mesh: null`): the key starts the section
+                node[part] = {}
+            child = node[part]
             if not isinstance(child, dict):
-                raise UserError(f"--set {'.'.join(path)}: {part!r} is not a section")
+                whole = ".".join(path[: i + 1])
+                raise UserError(
+                    f"--set {'.'.join(path)}: {whole} is {brief(child)}, not a section: "
+                    f"set it whole (--set {whole}=...)"
+                )
             node = child
         node[path[-1]] = value
     return out

@@ -41,7 +41,8 @@ def mesh_shape(d: DistributedConfig, world_size: int) -> tuple[int, int, int]:
     if r * s * t != world_size:
         raise UserError(
             f"distributed.mesh {mesh_text(shape)} needs {r} x {s} x {t} = {r * s * t} ranks, this job has "
-            f"{world_size}: make replicate x shard x tp equal the world size (torchrun's nnodes x nproc_per_node)"
+            f"{world_size}: make replicate x shard x tp equal the world size (torchrun's nnodes x nproc_per_node), or "
+            "set distributed.mesh=null (DDP, or FSDP2 with strategy=fsdp)"
         )
     return shape
 

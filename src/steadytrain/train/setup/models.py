@@ -112,9 +112,14 @@ class TinyLM(nn.Module):
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
         tp = mesh.size()
-        heads = self.blocks[0].attn.heads if len(self.blocks) else tp
+        if not len(self.blocks):
+            raise UserError(f"model.layers=0: no layers to split over distributed.mesh.tp={tp}: give layers, or tp=1")
+        heads = self.blocks[0].attn.heads
         if heads % tp:
-            raise UserError(f"model.heads={heads} does not split over distributed.mesh.tp={tp}: give a divisor")
+            raise UserError(
+                f"model.heads={heads} does not split over distributed.mesh.tp={tp}: give model.heads a multiple of "
+                f"{tp}, or a tp that divides {heads}"
+            )
         plan: dict[str, Any] = {}
         for i in range(len(self.blocks)):
             for name in ("q", "k", "v"):

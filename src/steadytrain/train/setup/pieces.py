@@ -34,7 +34,8 @@ from steadytrain.schedule import BatchPlan, warmup_schedule
 from steadytrain.train.hf.model import is_hf
 from steadytrain.train.setup.config import TrainConfig
 from steadytrain.train.setup.distributed import DistInfo, mixed_precision
-from steadytrain.train.setup.mesh import layout_kind
+from steadytrain.train.setup.mesh import layout_kind, mesh_shape
+from steadytrain.train.setup.tensor_parallel import check_plan
 
 __all__ = [
     "RunPlan",
@@ -330,11 +331,14 @@ def build_accumulator(
     )
 
 
-def check_before_launch(cfg: TrainConfig, *, run_dir: Path | None, resume: bool) -> None:
-    """What can be checked once before ``--nproc`` starts the ranks: the run directory is free and the
-    model builds with its arguments (on the meta device: no memory, any size). Raises UserError."""
+def check_before_launch(cfg: TrainConfig, *, run_dir: Path | None, resume: bool, world_size: int | None = None) -> None:
+    """What can be checked once before ``--nproc`` starts the ranks: ``distributed.mesh`` fits ``world_size``, the
+    run directory is free and the model builds with its arguments (on the meta device: no memory, any size), its
+    built-in tensor-parallel plan included. Raises UserError."""
     from steadytrain.rundir.layout import exists_error
 
+    if world_size is not None:
+        mesh_shape(cfg.distributed, world_size)  # 2 ranks of a 4-rank mesh would each say it: say it once
     path = run_dir if run_dir is not None else Path(cfg.run.dir) / cfg.run.name
     if not resume and path.exists():
         raise exists_error(path)
@@ -352,3 +356,8 @@ def check_model_args(cfg: TrainConfig, *, user_code: bool = True) -> None:
         with torch.device("meta"):
             model = build_model(cfg.model.name, cfg.model.kwargs(), context={"seq_len": cfg.data.seq_len})
         check_blocks(model, cfg.model)  # model.ac_blocks names a list of blocks; checkpointing has blocks
+        check_plan(model, cfg.distributed.mesh.tp if cfg.distributed.mesh is not None else 1)
+    elif cfg.model.name == "tabular" and cfg.distributed.mesh is not None and cfg.distributed.mesh.tp > 1:
+        raise UserError(
+            f"distributed.mesh.tp={cfg.distributed.mesh.tp}: model.name=tabular has no tensor-parallel plan: set tp=1"
+        )

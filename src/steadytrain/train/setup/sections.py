@@ -5,11 +5,13 @@ mistakes included."""
 
 from __future__ import annotations
 
+import re
 import types
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from steadytrain._text import brief
 from steadytrain.schedule import MAX_COUNT
 
 __all__ = [
@@ -73,10 +75,9 @@ def parse_mesh(text: str) -> dict[str, int]:
             raise ValueError(f"{part!r} is not one of replicate=R, shard=S, tp=T (e.g. replicate=2,shard=4)")
         if name in out:
             raise ValueError(f"{name} is given twice")
-        try:
-            out[name] = int(value.strip())
-        except ValueError:
-            raise ValueError(f"{name}={value.strip()!r} is not a whole number") from None
+        if not re.fullmatch(r"[+-]?[0-9]+", value.strip()):  # int() would take 2_0 and non-ASCII digits
+            raise ValueError(f"{name}={value.strip()!r} is not a whole number: write it in digits 0-9")
+        out[name] = int(value.strip())
     if not out:
         raise ValueError("no dimension given: write replicate=R,shard=S,tp=T")
     return out
@@ -93,7 +94,17 @@ class MeshConfig(Section):
 
     @classmethod
     def of(cls, value: Any) -> Any:
-        return parse_mesh(value) if isinstance(value, str) else value
+        """A mesh as the config gives it: a mapping, ``"replicate=R,shard=S,tp=T"``, or null; a ValueError naming
+        the two forms for anything else (``mesh: 4`` is not a mesh)."""
+        if isinstance(value, str):
+            return parse_mesh(value)
+        if value is None or isinstance(value, dict | MeshConfig):
+            return value
+        shown = str(value).lower() if isinstance(value, bool) else brief(value)
+        raise ValueError(
+            f'{shown} is not a mesh: give {{replicate: R, shard: S, tp: T}} or "replicate=R,shard=S,tp=T" '
+            "(a dimension left out is 1)"
+        )
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -135,7 +146,10 @@ class DistributedConfig(Section):
         m, s = self.mesh, self.strategy
         if m is None:
             if s == "hsdp":
-                raise ValueError("strategy=hsdp needs mesh: {replicate: R, shard: S} (e.g. R nodes of S GPUs each)")
+                raise ValueError(
+                    "strategy=hsdp needs mesh: {replicate: R, shard: S} (e.g. R nodes of S GPUs each), or another "
+                    "strategy (ddp, fsdp, or null)"
+                )
             return self
         if s is None:
             return self

@@ -16,14 +16,16 @@ The order of wrapping follows torchtitan: tensor parallel, then activation check
 from __future__ import annotations
 
 import logging
+from fnmatch import fnmatch
 from typing import Any
 
 from torch import nn
 
+from steadytrain._text import brief, error_text
 from steadytrain.errors import UserError
 from steadytrain.train.setup.distributed import DistInfo
 
-__all__ = ["apply_tensor_parallel", "hf_plan", "plan_of"]
+__all__ = ["MeshSize", "apply_tensor_parallel", "check_plan", "hf_plan", "plan_of"]
 
 log = logging.getLogger("steadytrain.train")
 
@@ -52,33 +54,94 @@ def hf_plan(model: Any, tp: int) -> dict[str, Any]:
     for key in ("num_attention_heads", "num_key_value_heads"):
         heads = getattr(config, key, None)
         if isinstance(heads, int) and heads % tp:
-            raise UserError(f"model.{key}={heads} does not split over distributed.mesh.tp={tp}: give a multiple of it")
+            raise UserError(
+                f"model.{key}={heads} does not split over distributed.mesh.tp={tp}: give model.{key} a multiple of "
+                f"{tp}, or a tp that divides {heads}"
+            )
     prefix = "hf." + (f"{inner.base_model_prefix}." if getattr(inner, "base_model_prefix", "") else "")
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
     return {prefix + path: styles[style]() for path, style in plan.items()}
 
 
+class MeshSize:
+    """A stand-in for a 1-D mesh of ``n`` ranks that has only its ``size()``: what the built-in plans read, so they
+    can be checked before any rank starts (:func:`check_plan`)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def size(self, dim: int | None = None) -> int:
+        return self.n
+
+
+def _own_plan(model: nn.Module, own: Any, mesh: Any) -> dict[str, Any]:
+    """The model's own ``tp_plan(mesh)``, checked: a dict of module path (str) -> ParallelStyle instance."""
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    where = f"{type(model).__name__}.tp_plan(mesh)"
+    try:
+        plan = own(mesh)
+    except UserError:
+        raise
+    except Exception as err:  # the user's method failed: name it, as a failing model factory is named
+        raise UserError(f"{where} raised {type(err).__name__}: {error_text(err)}") from None
+    fix = "return a dict of module path -> ParallelStyle (torch.distributed.tensor.parallel)"
+    if not isinstance(plan, dict) or not plan:
+        raise UserError(f"{where} returned {'an empty dict' if isinstance(plan, dict) else type(plan).__name__}: {fix}")
+    for key, style in plan.items():
+        if not isinstance(key, str):
+            raise UserError(f"{where} returned the key {brief(key)} ({type(key).__name__}), not a module path: {fix}")
+        if not isinstance(style, ParallelStyle):
+            shown = f"the class {style.__name__}" if isinstance(style, type) else type(style).__name__
+            raise UserError(
+                f"{where} maps {key!r} to {shown}, not a ParallelStyle instance: {fix} (e.g. ColwiseParallel())"
+            )
+    return plan
+
+
 def plan_of(model: nn.Module, mesh: Any) -> dict[str, Any]:
     """The tensor-parallel plan of ``model`` over the 1-D ``mesh`` (see the module's docstring for where it comes
-    from); a UserError in one line when there is none."""
+    from); a UserError in one line when there is none, or when the model's own is not a plan."""
     from steadytrain.train.hf.model import HFCausalLM
 
     own = getattr(model, "tp_plan", None)
     if callable(own):
-        plan = own(mesh)
-        if not isinstance(plan, dict) or not plan:
-            got = type(plan).__name__ if not isinstance(plan, dict) else "an empty dict"
-            raise UserError(
-                f"{type(model).__name__}.tp_plan(mesh) returned {got}: return a dict of module path -> "
-                "ParallelStyle (torch.distributed.tensor.parallel)"
-            )
-        return plan
+        return _own_plan(model, own, mesh)
+    if own is not None:
+        raise UserError(
+            f"{type(model).__name__}.tp_plan is a {type(own).__name__}, not a method: define tp_plan(self, mesh) "
+            "returning the plan, or set distributed.mesh.tp=1"
+        )
     if isinstance(model, HFCausalLM):
         return hf_plan(model, mesh.size())
     raise UserError(
         f"model {type(model).__name__} has no tensor-parallel plan: give it a tp_plan(mesh) method returning a "
         "parallelize_module plan, or set distributed.mesh.tp=1"
     )
+
+
+def check_plan(model: nn.Module, tp: int) -> None:
+    """Before any rank starts: a built-in model's plan over ``tp`` ranks (tiny-lm's heads split, transformers has a
+    plan) and its keys name modules of ``model`` (which may be on the meta device). A user's own ``tp_plan`` is
+    called on the real mesh only (it may ask the mesh for more than its size)."""
+    from steadytrain.train.hf.model import HFCausalLM
+    from steadytrain.train.setup.models import TinyLM
+
+    if tp > 1 and type(model) in (TinyLM, HFCausalLM):  # a subclass may override tp_plan: real mesh only
+        _check_keys(model, plan_of(model, MeshSize(tp)))
+
+
+def _check_keys(model: nn.Module, plan: dict[str, Any]) -> None:
+    """Every key of ``plan`` names at least one module of ``model`` (``*`` and the other ``fnmatch`` patterns match
+    one path atom each, as ``parallelize_module`` matches them): a key that matches nothing would be skipped."""
+    names = [name.split(".") for name, _ in model.named_modules()]
+    for key in plan:
+        atoms = key.split(".")
+        if not any(len(n) == len(atoms) and all(map(fnmatch, n, atoms)) for n in names):
+            raise UserError(
+                f"tensor-parallel plan names {key!r}, which matches no module of {type(model).__name__}: "
+                "plan keys are module paths as named_modules() gives them (* matches one part)"
+            )
 
 
 def apply_tensor_parallel(model: nn.Module, info: DistInfo) -> nn.Module:
@@ -90,19 +153,16 @@ def apply_tensor_parallel(model: nn.Module, info: DistInfo) -> nn.Module:
 
     mesh = info.mesh["tp"]
     plan = plan_of(model, mesh)
-    names = {name for name, _ in model.named_modules()}
-    missing = [k for k in plan if "*" not in k and k not in names]
-    if missing:
-        raise UserError(
-            f"tensor-parallel plan names {missing[0]!r}, which is not a module of {type(model).__name__}: "
-            "plan keys are module paths as named_modules() gives them"
-        )
+    _check_keys(model, plan)
     model = model.to(info.device)
     try:
         parallelize_module(model, mesh, plan)
-    except (ValueError, RuntimeError, AttributeError, NotImplementedError) as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise UserError(f"tensor-parallel plan of {type(model).__name__} does not apply: {first}") from None
+    except UserError:
+        raise
+    except Exception as err:  # torch's refusal, or a user's ParallelStyle failing: the same on every rank
+        raise UserError(
+            f"tensor-parallel plan of {type(model).__name__} does not apply: {type(err).__name__}: {error_text(err)}"
+        ) from None
     if info.is_main:
         log.info("tensor parallel: %d modules split over tp=%d", len(plan), info.tp)
     return model
