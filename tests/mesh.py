@@ -77,11 +77,14 @@ HF_LLAMA = (
 )  # fmt: skip
 """transformers' Llama: its own tensor-parallel plan (q/k/v/gate/up column-wise, o/down row-wise)."""
 COMMON = (
-    "data.seq_len=32", "batch.micro_batch_size=2",
-    "batch.global_batch_size=8", "batch.base_batch_size=8", "batch.base_lr=0.01", "run.max_steps=4",
-    "run.log_every=1", "monitor.every_steps=1", "monitor.group=module", "eval.every_steps=2",
-    "eval.holdout_shards=1", "checkpoint.every_steps=2", "checkpoint.keep_last=5",
+    "data.seq_len=32", "batch.micro_batch_size=2", "batch.global_batch_size=8", "batch.base_batch_size=8",
+    "batch.base_lr=0.01", "run.max_steps=4", "run.log_every=1", "eval.holdout_shards=1",
 )  # fmt: skip
+WATCHED = ("monitor.every_steps=1", "monitor.group=module", "eval.every_steps=2", "checkpoint.every_steps=2",
+           "checkpoint.keep_last=5")  # fmt: skip
+"""What the layouts and resumes are compared on: layer rows and validation at every other step, checkpoints."""
+LEAN = ("monitor.layers=off", "eval.every_steps=100", "checkpoint.every_steps=100")
+"""The other runs compare the training rows only."""
 """2 micro-batches of 2 on each of 2 data-parallel ranks per step (1 on 4): accumulation re-derived per layout."""
 
 LAYOUTS = {"st": "shard=2,tp=2", "rs": "replicate=2,shard=2"}
@@ -89,9 +92,16 @@ LAYOUTS = {"st": "shard=2,tp=2", "rs": "replicate=2,shard=2"}
 RESUMED = {"st_s4": "shard=4", "st_rs": "replicate=2,shard=2"}
 """Copies of ``st`` cut back to its step-2 checkpoint, resumed on another mesh."""
 EXTRA = {
-    "bf16": (*TINY_LM, "distributed.mesh=shard=2,tp=2", "precision=bf16", "model.compile=true", "run.max_steps=2"),
-    "nan": (*TINY_LM, "distributed.mesh=shard=2,tp=2", "model.name=planted_tp:factory", "model.nan_at=5"),
-    "hf": (*HF_LLAMA, "distributed.mesh=shard=2,tp=2", "run.max_steps=2"),
+    "bf16": (
+        *TINY_LM,
+        *LEAN,
+        "distributed.mesh=shard=2,tp=2",
+        "precision=bf16",
+        "model.compile=true",
+        "run.max_steps=2",
+    ),
+    "nan": (*TINY_LM, *LEAN, "distributed.mesh=shard=2,tp=2", "model.name=planted_tp:factory", "model.nan_at=5"),
+    "hf": (*HF_LLAMA, *LEAN, "distributed.mesh=shard=2,tp=2", "run.max_steps=2"),
 }
 """Rank 1's forward number 5 is its first of step 3 (2 micro-batches a step)."""
 
@@ -132,7 +142,8 @@ def train_mesh(root: Path) -> MeshRuns:
     runs = {name: root / name for name in [*LAYOUTS, *RESUMED, *EXTRA]}
     base = (*COMMON, f"data.path={data}")
     commands: list = [
-        ["train", "--run-dir", runs[n], *sets(*base, *TINY_LM, f"distributed.mesh={m}")] for n, m in LAYOUTS.items()
+        ["train", "--run-dir", runs[n], *sets(*base, *TINY_LM, *WATCHED, f"distributed.mesh={m}")]
+        for n, m in LAYOUTS.items()
     ]
     names = list(LAYOUTS)
     for name, mesh in RESUMED.items():

@@ -18,7 +18,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from steadytrain.runs.parallel import compare_runs
-from tests.mesh import COMMON, HF_LLAMA, TINY_LM, copy_run_with, cut_to_step, train_mesh
+from tests.mesh import COMMON, HF_LLAMA, LEAN, TINY_LM, WATCHED, copy_run_with, cut_to_step, train_mesh
 from tests.train_utils import evals, metrics, run_cli, train
 
 pytestmark = pytest.mark.distributed
@@ -36,9 +36,9 @@ def one(mesh, tmp_path_factory):
     """The same config on one rank, in this process: the reference."""
     root = tmp_path_factory.mktemp("one")
     base = (*COMMON, f"data.path={mesh.data}")
-    train(root / "fp32", *base, *TINY_LM)
-    train(root / "bf16", *base, *TINY_LM, "precision=bf16", "run.max_steps=2")
-    train(root / "hf", *base, *HF_LLAMA, "run.max_steps=2", HF_HUB_OFFLINE="1")
+    train(root / "fp32", *base, *TINY_LM, *WATCHED)
+    train(root / "bf16", *base, *TINY_LM, *LEAN, "precision=bf16", "run.max_steps=2")
+    train(root / "hf", *base, *HF_LLAMA, *LEAN, "run.max_steps=2", HF_HUB_OFFLINE="1")
     cut_to_step(mesh.runs["st"], root / "st_one", 2)
     train(root / "st_one", "distributed.mesh=null", args=("--resume", str(root / "st_one")))
     return root
