@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -36,7 +37,7 @@ def one(mesh, tmp_path_factory):
     """The same config on one rank, in this process: the reference."""
     root = tmp_path_factory.mktemp("one")
     base = (*COMMON, f"data.path={mesh.data}")
-    train(root / "fp32", *base, *TINY_LM, *WATCHED)
+    (root / "fp32.stderr").write_text(train(root / "fp32", *base, *TINY_LM, *WATCHED).stderr)
     train(root / "bf16", *base, *TINY_LM, *LEAN, "precision=bf16", "run.max_steps=2")
     train(root / "hf", *base, *HF_LLAMA, *LEAN, "run.max_steps=2", HF_HUB_OFFLINE="1")
     cut_to_step(mesh.runs["st"], root / "st_one", 2)
@@ -59,6 +60,15 @@ def test_every_rank_of_every_run_exits_cleanly(mesh):
     for name, ranks in mesh.results.items():
         assert [r.returncode for r in ranks] == [0] * 4, (name, ranks[0].stderr[-3000:])
     assert "tensor parallel: 12 modules split over tp=2" in mesh.results["st"][0].stderr
+
+
+def test_the_flops_of_a_split_model_are_counted_whole(mesh, one):
+    def per_step(text: str) -> float:
+        found = re.search(r"([0-9.e+]+) FLOPs per optimizer step", text)
+        assert found is not None, text[-3000:]
+        return float(found.group(1))
+
+    assert per_step(mesh.results["st"][0].stderr) == per_step((one / "fp32.stderr").read_text())
 
 
 @pytest.mark.parametrize("layout", ["st", "rs"])

@@ -24,6 +24,7 @@ Rates are derived at ``MetricsLog.flush`` from each row's ``items_per_s`` (host 
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import math
 import os
@@ -159,8 +160,17 @@ def meta_shadow(model: nn.Module) -> nn.Module:
         for key, value in vars(module).items():
             if fsdp and "hooks" in key:
                 shadow.__dict__[key] = type(value)()
+            elif key in ("_forward_hooks", "_forward_pre_hooks"):  # a tensor-parallel plan's: they make DTensors
+                shadow.__dict__[key] = type(value)((k, f) for k, f in value.items() if not _tensor_parallel(f))
         memo[id(module)] = shadow
     return memo[id(model)]
+
+
+def _tensor_parallel(hook: Any) -> bool:
+    """A hook ``parallelize_module`` registered (its inputs and outputs to and from DTensors): the shadow's
+    parameters hold each tensor's whole shape, so it counts the whole model without them."""
+    fn = hook.func if isinstance(hook, functools.partial) else hook
+    return getattr(fn, "__module__", "").startswith("torch.distributed.tensor")
 
 
 def _fsdp_key(key: str) -> bool:
@@ -236,7 +246,11 @@ class Throughput:
                         "attribute to report them", type(err).__name__, str(err).splitlines()[0] if str(err) else ""
                     )  # fmt: skip
                 return
-            self.flops_per_step = float(per_micro * self.accumulation_steps * self.world_size)
+            index = micro_batch.get("index")
+            if index is not None and len(index):  # per example, times the global batch: the ranks of a tensor-
+                self.flops_per_step = float(per_micro / len(index) * self.global_batch_size)  # parallel group share one
+            else:
+                self.flops_per_step = float(per_micro * self.accumulation_steps * self.world_size)
         if is_main and self.flops_per_step is not None:
             log.info(
                 "%.4g FLOPs per optimizer step (%.4g per rank; forward + backward)",
