@@ -8,7 +8,7 @@ import json
 import pytest
 
 from steadytrain.runs.parallel import relative_difference
-from tests.cli_utils import assert_user_error, launched
+from tests.cli_utils import assert_user_error
 from tests.mesh import PLANTED_TP
 from tests.train_utils import run_cli, sets, write_text_dataset
 
@@ -19,13 +19,14 @@ SMALL = (
 
 
 @pytest.mark.distributed
-def test_a_plan_that_forgets_one_layers_all_reduce_is_named(tmp_path):
+def test_a_plan_that_forgets_one_layers_all_reduce_is_named(tmp_path, monkeypatch):
     (tmp_path / "pkg").mkdir()
     (tmp_path / "pkg" / "planted_tp.py").write_text(PLANTED_TP)
     data = write_text_dataset(tmp_path / "data", [12] * 4)
     planted = ("model.name=planted_tp:factory", "model.forget=true", f"data.path={data}", *SMALL)
     out = tmp_path / "check"
-    proc = launched(  # the command launches processes of its own: they see this PYTHONPATH
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "pkg"))  # for the trainings the command launches
+    proc = run_cli(  # in this process, which checks the model first: the same directory on its path
         "check-parallel", "--mesh", "tp=2", "--steps", "1", "--json", "--out", str(out), *sets(*planted),
         PYTHONPATH=str(tmp_path / "pkg"),
     )  # fmt: skip
