@@ -1,7 +1,8 @@
 """Runs on 4 gloo ranks laid out on a ``DeviceMesh`` that :mod:`tests.train.test_mesh` checks against one rank, all
 trained on ONE spawned job of 4 ranks (``train_mesh``): ``{shard: 2, tp: 2}`` and ``{replicate: 2, shard: 2}`` of one
 config, the first one's checkpoint resumed on ``{shard: 4}`` and on ``{replicate: 2, shard: 2}``, a bf16 and compiled
-run, and a run whose model returns NaN losses on rank 1 at one step (the ranks must agree to skip it).
+run, a run whose model returns NaN losses on rank 1 at one step (the ranks must agree to skip it), and an HSDP run
+whose rank 3 corrupts its replica of a shard (the parity check must name it and repair it from rank 1).
 
 The test-only models live in ``PLANTED_TP`` (``planted_tp:factory``): tiny-lm whose forward number ``nan_at`` returns
 NaN losses on rank 1, and, with ``forget=True``, a tensor-parallel plan that runs ``blocks.0.norm2`` on this rank's
@@ -27,6 +28,7 @@ import os
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from steadytrain.train.setup.models import TinyLM
 
@@ -48,9 +50,21 @@ class ForgetfulSequenceNorm(ParallelStyle):
 
 
 class PlantedTP(TinyLM):
-    def __init__(self, nan_at=0, forget=False, **kw):
+    def __init__(self, nan_at=0, forget=False, flip_at=0, **kw):
         super().__init__(**kw)
-        self.nan_at, self.forget, self.calls = int(nan_at), bool(forget), 0
+        self.nan_at, self.forget, self.flip_at, self.calls = int(nan_at), bool(forget), int(flip_at), 0
+        if self.flip_at:  # after optimizer step flip_at, outside any forward: the parameters are this rank's shards
+            register_optimizer_step_post_hook(self._flip)
+        self.steps = 0
+
+    def _flip(self, optimizer, args, kwargs):
+        if not any(p is self.head.weight for group in optimizer.param_groups for p in group["params"]):
+            return  # another model's optimizer (this process trains several)
+        self.steps += 1
+        if self.steps == self.flip_at and os.environ.get("RANK") == "3":
+            with torch.no_grad():
+                shard = self.head.weight.to_local() if hasattr(self.head.weight, "to_local") else self.head.weight
+                shard.view(-1)[0] = -shard.view(-1)[0] + 1.0  # a silent corruption of this replica's shard
 
     def forward(self, batch):
         self.calls += self.training  # training forwards only: an evaluation's do not count
@@ -102,8 +116,18 @@ EXTRA = {
     ),
     "nan": (*TINY_LM, *LEAN, "distributed.mesh=shard=2,tp=2", "model.name=planted_tp:factory", "model.nan_at=5"),
     "hf": (*HF_LLAMA, *LEAN, "distributed.mesh=shard=2,tp=2", "run.max_steps=2"),
+    "parity": (
+        *TINY_LM,
+        *LEAN,
+        "distributed.mesh=replicate=2,shard=2",
+        "model.name=planted_tp:factory",
+        "model.seq_len=32",  # tiny-lm's, as the data gives it: the same initial weights as the 1-rank runs
+        "model.flip_at=1",
+        "distributed.parity_every_steps=2",
+    ),
 }
-"""Rank 1's forward number 5 is its first of step 3 (2 micro-batches a step)."""
+"""Rank 1's forward number 5 is its first of step 3 (2 micro-batches a step); rank 3 corrupts its shard of the head
+after optimizer step 1, found by the parity check after step 2."""
 
 
 def cut_to_step(run: Path, to: Path, step: int) -> None:

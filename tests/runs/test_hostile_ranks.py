@@ -169,7 +169,9 @@ def _fake_job(tmp_path: Path, log_every: int = 2, **over) -> SimpleNamespace:
     """What the writers read of a job: two ranks of which this is rank 0."""
     from steadytrain.train.observe.watchdog import Beat
 
-    info = SimpleNamespace(backend="gloo", world_size=2, device=torch.device("cpu"), is_main=True)
+    info = SimpleNamespace(
+        backend="gloo", world_size=2, device=torch.device("cpu"), is_main=True, rank=0, kind="ddp", shape=None
+    )
     cfg = SimpleNamespace(run=SimpleNamespace(log_every=log_every), distributed=SimpleNamespace(on_parity="warn"))
     base = {"info": info, "cfg": cfg, "beat": Beat(0), "state": SimpleNamespace(step=0),
             "run": SimpleNamespace(path=tmp_path), "hosts": ["h0", "h1"]}  # fmt: skip

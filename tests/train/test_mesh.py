@@ -19,6 +19,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from steadytrain.runs.parallel import compare_runs
+from steadytrain.train.checkpoint.catalog import latest_checkpoint, load_checkpoint
 from tests.mesh import COMMON, HF_LLAMA, LEAN, TINY_LM, WATCHED, copy_run_with, cut_to_step, train_mesh
 from tests.train_utils import evals, metrics, run_cli, train
 
@@ -58,7 +59,8 @@ def _close(a, b, rtol=RTOL) -> bool:
 
 def test_every_rank_of_every_run_exits_cleanly(mesh):
     for name, ranks in mesh.results.items():
-        assert [r.returncode for r in ranks] == [0] * 4, (name, ranks[0].stderr[-3000:])
+        code = 1 if name == "parity" else 0  # stopped by the parity check
+        assert [r.returncode for r in ranks] == [code] * 4, (name, ranks[0].stderr[-3000:])
     assert "tensor parallel: 12 modules split over tp=2" in mesh.results["st"][0].stderr
 
 
@@ -165,3 +167,23 @@ def test_check_parallel_comparison_finds_agreement_and_names_a_doctored_value(me
     doctored = copy_run_with(mesh.runs["st"], tmp_path / "b", "metrics.jsonl", 2, None, "loss")
     first = compare_runs(doctored, one / "fp32", RTOL)[2]
     assert (first["step"], first["metric"], first["layer"]) == (2, "loss", None)
+
+
+def test_hsdp_replicas_that_disagree_are_named_per_shard_and_the_run_stops_on_the_agreeing_values(mesh, one):
+    run, ranks = mesh.runs["parity"], mesh.results["parity"]
+    (record,) = [json.loads(x) for x in (run / "parity.jsonl").read_text().splitlines()]
+    # rank 3 holds the same shard as rank 1 (replicas of position 1); ranks 0 and 2 agree: nothing said of them
+    assert (record["step"], record["rank"], record["tie"], record["tensors"]) == (2, 3, True, ["head.weight"])
+    assert "replicas disagree at step 2: rank(s) 3 held other parameter values than rank(s) 1" in ranks[0].stderr
+    saved = latest_checkpoint(run / "checkpoints")
+    assert saved.name == "step-00000002"
+    repaired = load_checkpoint(saved)["model"]["head.weight"]
+    # rank 3's shard is rows 128-255 (shard position 1): its first element was flipped to 1 - w before step 2. The
+    # checkpoint holds rank 1's value, near the clean 1-rank run's at step 2 (step 2's update, to which rank 3's
+    # gradient contributed, moves it by at most ~lr), not the flipped one (about 1 away). All 4 ranks took part in
+    # the repair's broadcasts within their replica groups and stopped together (exit 1 above); that rank 3's own
+    # memory was repaired is not seen here: the checkpoint keeps one copy of each replicated shard
+    clean = load_checkpoint(one / "fp32" / "checkpoints" / "step-00000002")["model"]["head.weight"]
+    assert repaired.shape == clean.shape == (256, 32)
+    assert abs(float(repaired[128, 0] - clean[128, 0])) < 0.05
+    assert abs(float(1 - clean[128, 0] - clean[128, 0])) > 0.5  # the flip is a large change: the check can fail

@@ -166,8 +166,8 @@ class DistributedConfig(Section):
         return self
 
     parity_every_steps: int = Field(default=100, ge=0)
-    """Every this many optimizer steps the DDP replicas compare a checksum of their parameters (one small
-    all-gather; 0 = off): a rank whose values differ is recorded in ``RUN/parity.jsonl``."""
+    """Every this many optimizer steps the replicas (DDP's, or HSDP's of each shard) compare a checksum of their
+    parameters (one small all-gather; 0 = off): a rank whose values differ is recorded in ``RUN/parity.jsonl``."""
     on_parity: Literal["warn", "stop"] = "stop"
     """What a disagreement does: ``warn``, or ``stop`` with every replica made equal to an agreeing rank's and a
     checkpoint."""
