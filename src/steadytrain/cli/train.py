@@ -185,7 +185,7 @@ def show(config: str | None, overrides: tuple[str, ...], world_size: int | None)
 
     check_model_args(cfg, user_code=False)  # inspecting a config never runs a factory it names
     mesh = cfg.distributed.mesh
-    world_size = world_size or (mesh.replicate * mesh.shard * mesh.tp if mesh is not None else 1)
+    world_size = world_size or (mesh.ranks if mesh is not None else 1)
     world_size //= mesh_shape(cfg.distributed, world_size)[2]  # the data-parallel degree: tp ranks share batches
     layout = resolve_plan(cfg, world_size, None)
     info = DistInfo(0, world_size, 0, torch.device("cpu"), None)

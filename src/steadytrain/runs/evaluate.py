@@ -72,7 +72,7 @@ def _on_these_ranks(cfg: TrainConfig, world_size: int) -> TrainConfig:
     """``cfg`` laid out on ``world_size`` ranks: as it is when its mesh (if any) has that many ranks, else without
     the mesh (FSDP2 when the mesh sharded or split the model, else DDP)."""
     d = cfg.distributed
-    if d.mesh is None or d.mesh.replicate * d.mesh.shard * d.mesh.tp == world_size:
+    if d.mesh is None or d.mesh.ranks == world_size:
         return cfg
     strategy = "fsdp" if d.mesh.shard > 1 or d.mesh.tp > 1 else "ddp"
     return cfg.model_copy(update={"distributed": d.model_copy(update={"mesh": None, "strategy": strategy})})

@@ -29,8 +29,7 @@ from steadytrain._text import one_line
 from steadytrain.diagnose.layers import layer_order, read_layers
 from steadytrain.errors import UserError
 from steadytrain.runs.record import load_run
-from steadytrain.train.setup.mesh import mesh_text
-from steadytrain.train.setup.sections import parse_mesh
+from steadytrain.train.setup.sections import mesh_text, parse_mesh
 
 __all__ = ["ParallelCheck", "check_parallel", "compare_runs", "parse_layout", "relative_difference"]
 
@@ -149,10 +148,10 @@ def compare_runs(a: Path, b: Path, rtol: float) -> tuple[int, float | None, dict
 
 def _run_argv(config: str | None, overrides: list[str], shape: tuple[int, int, int], run_dir: Path) -> list[str]:
     n = math.prod(shape)
-    head = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}"] if n > 1 else []
-    head += ["-m", "steadytrain"] if n > 1 else [sys.executable, "-m", "steadytrain"]
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}"] if n > 1 else []
     sets = [x for o in [*overrides, f"distributed.mesh={mesh_text(shape)}"] for x in ("--set", o)]
-    return [*head, "train", *([config] if config else []), "--run-dir", str(run_dir), *sets]
+    return [sys.executable, *launcher, "-m", "steadytrain", "train", *([config] if config else []),
+            "--run-dir", str(run_dir), *sets]  # fmt: skip
 
 
 def _last_error(log_path: Path) -> str:
@@ -179,12 +178,10 @@ def _train(config: str | None, overrides: list[str], shape: tuple[int, int, int]
         )
 
 
-def _sentence(check: dict[str, Any], mesh: str, against: str) -> str:
-    first = check["first_difference"]
+def _sentence(steps: int, worst: float | None, first: dict[str, Any] | None, mesh: str, against: str) -> str:
     if first is None:
-        worst = check["max_rel_diff"]
         shown = "0" if not worst else f"{worst:.2g}"
-        return f"{mesh} and {against} agree over {check['steps']} steps (largest relative difference {shown})"
+        return f"{mesh} and {against} agree over {steps} steps (largest relative difference {shown})"
     where = f"{first['metric']}" + (f" of layer {first['layer']}" if first["layer"] else "")
     a, b = (f"{v:.6g}" if isinstance(v, float) else str(v) for v in first["values"])
     return f"{mesh} and {against} first differ at step {first['step']}: {where} ({a} on {mesh}, {b} on {against})"
@@ -248,7 +245,6 @@ def check_parallel(
     for key, shape in (("mesh", mesh), ("against", against)):
         _train(config, [*overrides, *forced], shape, dirs[key])
     n, worst, first = compare_runs(dirs["mesh"], dirs["against"], tol)
-    found = {"steps": n, "max_rel_diff": worst, "first_difference": first}
     return ParallelCheck(
         agree=first is None,
         steps=n,
@@ -258,5 +254,5 @@ def check_parallel(
         against=names["against"],
         rtol=tol,
         runs={k: str(v) for k, v in dirs.items()},
-        sentence=_sentence(found, names["mesh"], names["against"]),
+        sentence=_sentence(n, worst, first, names["mesh"], names["against"]),
     )

@@ -96,7 +96,8 @@ def evaluate(model: nn.Module, evalset: EvalSet, info: DistInfo, *, precision: s
             net.train(was_training)
     if info.backend is not None:
         dist.all_reduce(totals)  # each rank saw its share of the held-out set: the loss is over all of it
-        totals /= info.tp  # the ranks of one tensor-parallel group evaluated the same examples
+        if info.tp > 1:
+            totals /= info.tp  # the ranks of one tensor-parallel group evaluated the same examples
     loss_sum, items, nonfinite = totals.tolist()  # host sync, once per evaluation: the result is logged and compared
     val = loss_sum / items if items and math.isfinite(loss_sum) else None
     if nonfinite:

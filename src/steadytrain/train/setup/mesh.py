@@ -12,18 +12,12 @@ builds the mesh with ``init_device_mesh`` and shards with ``fully_shard`` over i
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 from steadytrain.errors import UserError
 from steadytrain.train.setup.distributed import DistInfo
-from steadytrain.train.setup.sections import MESH_DIMS, DistributedConfig
+from steadytrain.train.setup.sections import MESH_DIMS, DistributedConfig, mesh_text
 
-__all__ = ["dp_mesh", "join_mesh", "layout_kind", "mesh_shape", "mesh_text"]
-
-
-def mesh_text(shape: tuple[int, int, int]) -> str:
-    """``replicate=R,shard=S,tp=T``: how a shape is written on the command line and in messages."""
-    return ",".join(f"{n}={v}" for n, v in zip(MESH_DIMS, shape, strict=True))
+__all__ = ["join_mesh", "layout_kind", "mesh_shape"]
 
 
 def mesh_shape(d: DistributedConfig, world_size: int) -> tuple[int, int, int]:
@@ -38,9 +32,9 @@ def mesh_shape(d: DistributedConfig, world_size: int) -> tuple[int, int, int]:
     if d.mesh is None:
         return (1, world_size, 1) if d.strategy == "fsdp" else (world_size, 1, 1)
     r, s, t = shape = d.mesh.shape
-    if r * s * t != world_size:
+    if d.mesh.ranks != world_size:
         raise UserError(
-            f"distributed.mesh {mesh_text(shape)} needs {r} x {s} x {t} = {r * s * t} ranks, this job has "
+            f"distributed.mesh {mesh_text(shape)} needs {r} x {s} x {t} = {d.mesh.ranks} ranks, this job has "
             f"{world_size}: make replicate x shard x tp equal the world size (torchrun's nnodes x nproc_per_node), or "
             "set distributed.mesh=null (DDP, or FSDP2 with strategy=fsdp)"
         )
@@ -75,10 +69,3 @@ def join_mesh(info: DistInfo, d: DistributedConfig) -> DistInfo:
 
     mesh = init_device_mesh(info.device.type, shape, mesh_dim_names=MESH_DIMS)
     return dataclasses.replace(info, kind=kind, tp=shape[2], mesh=mesh, shape=shape)
-
-
-def dp_mesh(info: DistInfo) -> Any:
-    """The ``(replicate, shard)`` submesh ``fully_shard`` works over (HSDP when both are above 1)."""
-    if info.mesh is None:
-        raise UserError("no device mesh in this job: distributed.mesh builds one")
-    return info.mesh["replicate", "shard"]

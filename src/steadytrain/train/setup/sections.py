@@ -60,6 +60,17 @@ class ClipConfig(Section):
 MESH_DIMS = ("replicate", "shard", "tp")
 
 
+def mesh_text(shape: tuple[int, int, int]) -> str:
+    """``replicate=R,shard=S,tp=T``: how a shape is written on the command line and in messages (what
+    :func:`parse_mesh` reads).
+
+    Example:
+        >>> mesh_text((1, 2, 2))
+        'replicate=1,shard=2,tp=2'
+    """
+    return ",".join(f"{n}={v}" for n, v in zip(MESH_DIMS, shape, strict=True))
+
+
 def parse_mesh(text: str) -> dict[str, int]:
     """``"replicate=2,shard=4,tp=1"`` as a dict (a dimension left out is 1); a ValueError names what is wrong.
 
@@ -109,6 +120,11 @@ class MeshConfig(Section):
     @property
     def shape(self) -> tuple[int, int, int]:
         return self.replicate, self.shard, self.tp
+
+    @property
+    def ranks(self) -> int:
+        """``replicate x shard x tp``: the world size the mesh is for."""
+        return self.replicate * self.shard * self.tp
 
 
 _FITS = {
@@ -160,7 +176,7 @@ class DistributedConfig(Section):
         }[s]
         if wrong:
             raise ValueError(
-                f"strategy={s} does not fit mesh replicate={m.replicate},shard={m.shard},tp={m.tp}: "
+                f"strategy={s} does not fit mesh {mesh_text(m.shape)}: "
                 f"{_FITS[s]}, or leave strategy out (the mesh decides)"
             )
         return self
