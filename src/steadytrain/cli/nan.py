@@ -25,8 +25,9 @@ def _print_report(rep: Any, limit: int = 5, flagged: str = "non-finite") -> None
     for s in rows:
         rate = f"{s.rate:.3g}" if s.rate is not None else "n/a"
         seen = "exposure not recorded" if s.exposures is None else f"{s.exposures} examples seen"
+        name = one_line(rep.shard_name(s.shard))  # a mixture's "web shard 3 (id 7)": a source name from sources.json
         click.echo(
-            f"  shard {s.shard}: {s.events} step(s), {s.nonfinite} {flagged} losses "
+            f"  {name}: {s.events} step(s), {s.nonfinite} {flagged} losses "
             f"(chance: {s.expected:g}), {seen}, rate {rate}, p = {s.p_value:.2g}"
         )
     if rep.ranks:

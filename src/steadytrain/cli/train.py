@@ -179,9 +179,9 @@ def show(config: str | None, overrides: tuple[str, ...], world_size: int | None)
     import torch
 
     from steadytrain.train.setup.distributed import DistInfo
-    from steadytrain.train.setup.holdout import holdout
     from steadytrain.train.setup.mesh import mesh_shape
-    from steadytrain.train.setup.pieces import build_dataset, check_model_args, data_path, resolve_plan
+    from steadytrain.train.setup.mixture import training_data
+    from steadytrain.train.setup.pieces import check_model_args, resolve_plan
 
     check_model_args(cfg, user_code=False)  # inspecting a config never runs a factory it names
     mesh = cfg.distributed.mesh
@@ -189,8 +189,8 @@ def show(config: str | None, overrides: tuple[str, ...], world_size: int | None)
     world_size //= mesh_shape(cfg.distributed, world_size)[2]  # the data-parallel degree: tp ranks share batches
     layout = resolve_plan(cfg, world_size, None)
     info = DistInfo(0, world_size, 0, torch.device("cpu"), None)
-    held = holdout(cfg, data_path(cfg), layout.global_batch_size)  # the plan counts what the run trains on
-    ds = build_dataset(cfg, data_path(cfg), info, layout.accumulation_steps, held.shards, rows=held.training_rows)
+    # the plan counts what the run trains on (without what it holds out)
+    ds, _, _ = training_data(cfg, info, layout.global_batch_size, layout.accumulation_steps)
     plan = resolve_plan(cfg, world_size, ds.steps_per_epoch, ds.dropped_per_epoch)
     click.echo(yaml.safe_dump(cfg.to_dict(), sort_keys=False), nl=False)
     console.print("# derived (batch plan)")

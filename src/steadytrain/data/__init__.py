@@ -23,6 +23,7 @@ from steadytrain.data.format import (
 from steadytrain.data.holdout import RowFilter, holdout_records
 from steadytrain.data.ingest import IngestError, IngestResult, ingest
 from steadytrain.data.loader import DataWorkerError, MicroBatchLoader
+from steadytrain.data.mixture import MixedDataset
 from steadytrain.data.provenance import (
     healthy_shards,
     majority_provenance,
@@ -47,6 +48,7 @@ __all__ = [
     "IngestError",
     "IngestResult",
     "MicroBatchLoader",
+    "MixedDataset",
     "PolicyCounts",
     "RowFilter",
     "Schema",

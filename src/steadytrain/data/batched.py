@@ -44,7 +44,7 @@ from steadytrain.data.policy import PolicyCounts, apply_policy
 from steadytrain.data.transform import Transform, apply_transform
 from steadytrain.errors import UserError
 
-__all__ = ["DEFAULT_SHUFFLE_WINDOW", "BatchedDataset", "global_batch"]
+__all__ = ["DEFAULT_SHUFFLE_WINDOW", "BatchedDataset", "global_batch", "resume_position"]
 
 log = logging.getLogger(__name__)
 
@@ -312,29 +312,34 @@ class BatchedDataset(IterableDataset):
                 raise UserError(
                     f"state {key}={brief(state[key])} != this dataset's {mine!r}: {why}; resume with the same"
                 )
-        epoch = check_int("state epoch", state["epoch"], 0)
-        b, k, w = (check_int(f"state {key}", state[key]) for key in ("batch_size", "accumulation_steps", "world_size"))
-        if b * k * w != lay.global_batch_size:
-            raise UserError(
-                f"state batch_size {b} x accumulation_steps {k} x world_size {w} != its global_batch_size "
-                f"{lay.global_batch_size}: the state was edited"
-            )
-        micro = check_int("state micro", state["micro"], 0)
-        if micro > self.steps_per_epoch * k:
-            raise UserError(
-                f"state micro={micro} is past the end of the epoch ({self.steps_per_epoch * k} micro-batches)"
-            )
-        if state["step"] != micro // k:
-            raise UserError(f"state step={brief(state['step'])} != micro {micro} // accumulation_steps {k}: edited?")
         counts = PolicyCounts.from_state(state["counts"])
-        same_layout = (b, k, w) == (lay.batch_size, lay.accumulation_steps, lay.world_size)
-        if not same_layout and micro % k:
-            raise UserError(
-                "state was saved in the middle of an optimizer step: with another world size, accumulation or "
-                "batch size, resume from a state saved at a step boundary"
-            )
-        self.epoch, self.counts = epoch, counts
-        self.micro = micro if same_layout else (micro // k) * lay.accumulation_steps
+        self.epoch, self.micro = resume_position(state, lay, self.steps_per_epoch)
+        self.counts = counts
+
+
+def resume_position(state: dict[str, Any], lay: GlobalLayout, steps_per_epoch: int) -> tuple[int, int]:
+    """``(epoch, micro)`` to continue from a saved position (its own ``batch_size``, ``accumulation_steps``,
+    ``world_size``, ``epoch``, ``micro``, ``step``) in ``lay``: the next micro-batch with the same layout, else the
+    next optimizer step; a :class:`UserError` for a position that is not sound."""
+    epoch = check_int("state epoch", state["epoch"], 0)
+    b, k, w = (check_int(f"state {key}", state[key]) for key in ("batch_size", "accumulation_steps", "world_size"))
+    if b * k * w != lay.global_batch_size:
+        raise UserError(
+            f"state batch_size {b} x accumulation_steps {k} x world_size {w} != its global_batch_size "
+            f"{lay.global_batch_size}: the state was edited"
+        )
+    micro = check_int("state micro", state["micro"], 0)
+    if micro > steps_per_epoch * k:
+        raise UserError(f"state micro={micro} is past the end of the epoch ({steps_per_epoch * k} micro-batches)")
+    if state["step"] != micro // k:
+        raise UserError(f"state step={brief(state['step'])} != micro {micro} // accumulation_steps {k}: edited?")
+    same_layout = (b, k, w) == (lay.batch_size, lay.accumulation_steps, lay.world_size)
+    if not same_layout and micro % k:
+        raise UserError(
+            "state was saved in the middle of an optimizer step: with another world size, accumulation or "
+            "batch size, resume from a state saved at a step boundary"
+        )
+    return epoch, micro if same_layout else (micro // k) * lay.accumulation_steps
 
 
 def global_batch(

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from steadytrain._check import check_int
 from steadytrain.data.batched import BatchedDataset
@@ -120,3 +121,30 @@ class EvalSet:
         ranges = ((i, a, min(a + b, self.stop)) for i, a in enumerate(range(self.start, self.stop, b)))
         for _, cols in self._data.iter_positions(ranges):
             yield cols
+
+
+class MixedEvalSet:
+    """The validation examples of a mixture's sources, one source after another, each batch with a ``source``
+    column (the source's number) and mixture shard ids; the interface of :class:`EvalSet`."""
+
+    def __init__(self, parts: list[tuple[int, EvalSet]], names: list[str], offsets: list[int]) -> None:
+        self.parts, self.names, self.offsets = parts, list(names), list(offsets)
+        self.forwards = sum(p.forwards for _, p in parts)
+        self.num_examples = sum(p.num_examples for _, p in parts)
+
+    @property
+    def real(self) -> int:
+        return sum(p.real for _, p in self.parts)
+
+    def _tagged(self, j: int, batch: dict[str, Any]) -> dict[str, Any]:
+        n = len(batch["index"])
+        return {**batch, "shard": batch["shard"] + self.offsets[j], "source": torch.full((n,), j, dtype=torch.int64)}
+
+    def pad_batch(self) -> dict[str, Any]:
+        j, part = self.parts[0]
+        return self._tagged(j, part.pad_batch())
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        for j, part in self.parts:
+            for batch in part:
+                yield self._tagged(j, batch)

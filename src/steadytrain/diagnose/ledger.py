@@ -25,6 +25,7 @@ from steadytrain._check import check_int, check_type
 from steadytrain._io import append_jsonl, brief, load_json, read_jsonl
 from steadytrain.accumulate import NonFiniteEvent
 from steadytrain.accumulate.events import REASONS
+from steadytrain.diagnose.mixture import mixture_bounds, run_sources
 from steadytrain.errors import UserError
 
 __all__ = [
@@ -318,12 +319,15 @@ def read_ledger(
 
 def dataset_bounds(run_dir: str | Path) -> dict[int, int] | None:
     """Records per shard of the dataset the run trained on (``data.json``): what its ledgers' shard ids and example
-    indices are checked against. None when the run has no ``data.json``, or its data is gone or has changed since
-    (another fingerprint): the ledger's positions then cannot be judged.
+    indices are checked against. A mixture run's (``sources.json``): every source's, keyed by mixture id
+    (:func:`.mixture.mixture_bounds`). None when the run has no ``data.json``, or its data is gone or has changed
+    since (another fingerprint): the ledger's positions then cannot be judged.
 
     Raises:
-        UserError: ``data.json`` is not JSON.
+        UserError: ``data.json`` or ``sources.json`` is not JSON (or not of its shape).
     """
+    if (sources := run_sources(run_dir)) is not None:
+        return mixture_bounds(sources)
     path = Path(run_dir) / "data.json"
     if not path.is_file():
         return None

@@ -29,13 +29,17 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from steadytrain.accumulate import NonFiniteEvent
 from steadytrain.diagnose.layers import attribution_sentence, read_layers, spike_layers
 from steadytrain.diagnose.ledger import LEDGER, SPIKES, dataset_bounds, read_exposure, read_ledger
+from steadytrain.diagnose.mixture import run_sources, shard_name, source_keys, sources_phrase
 from steadytrain.diagnose.stats import binomial_sf
 from steadytrain.errors import UserError
+
+if TYPE_CHECKING:
+    from steadytrain.data.sourcemap import SourceMap
 
 __all__ = ["ALPHA", "NonFiniteReport", "ShardStats", "report"]
 
@@ -72,7 +76,9 @@ class ShardStats:
 class NonFiniteReport:
     """What :func:`report` found. ``to_dict`` has the contract keys ``verdict``, ``suspect_shards``,
     ``suspect_ranks``, ``suspect_hosts``, ``shards`` (``{shard, events, exposures, rate}``), ``ranks`` (refused
-    steps in which the rank's own loss was non-finite) and ``sentence``."""
+    steps in which the rank's own loss was non-finite) and ``sentence``. A mixture run's (``sources``) adds
+    ``source`` and ``source_shard`` to each of ``shards`` and, after ``suspect_shards``, ``suspect_sources``
+    (``{shard, source, source_shard}`` per suspect); the shard ids stay the mixture's."""
 
     verdict: str
     suspect_shards: list[int]
@@ -91,15 +97,25 @@ class NonFiniteReport:
     layers: list[dict[str, Any]] | None = None
     """Spikes only: the layer each spike entered through (:func:`.layers.spike_layers`; empty without
     ``layers.jsonl``); None for non-finite steps."""
+    sources: SourceMap | None = None
+    """A mixture run's sources (``sources.json``): which source each shard id is in; None for one dataset."""
+
+    def shard_name(self, shard: int) -> str:
+        """``shard 7``, or a mixture run's ``web shard 3 (id 7)``."""
+        return shard_name(self.sources, shard)
 
     def to_dict(self) -> dict[str, Any]:
         extra = {} if self.layers is None else {"layers": list(self.layers)}
+        named = {}
+        if self.sources is not None:
+            named = {"suspect_sources": [{"shard": s, **source_keys(self.sources, s)} for s in self.suspect_shards]}
         return {
             "verdict": self.verdict,
             "suspect_shards": list(self.suspect_shards),
+            **named,
             "suspect_ranks": list(self.suspect_ranks),
             "suspect_hosts": list(self.suspect_hosts),
-            "shards": [asdict(s) for s in self.shards],
+            "shards": [{**asdict(s), **source_keys(self.sources, s.shard)} for s in self.shards],
             "ranks": {str(r): n for r, n in sorted(self.ranks.items())},
             "sentence": self.sentence,
             "steps": list(self.steps),
@@ -190,21 +206,35 @@ def _covered(steps: dict[Any, _Step], shards: set[int]) -> int:
     return sum(1 for st in steps.values() if set(st.flagged or st.in_play) & shards)
 
 
+def _at(shard: int, sources: SourceMap | None) -> str:
+    """``shard 7``; a mixture run's ``web shard 3, id 7`` (said inside parentheses)."""
+    return f"shard {shard}" if sources is None else f"{sources.label(shard)}, id {shard}"
+
+
 def _sentence(
-    verdict: str, suspects: list[ShardStats], stats: list[ShardStats], steps: dict, exp: Any, words: dict[str, str]
+    verdict: str,
+    suspects: list[ShardStats],
+    stats: list[ShardStats],
+    steps: dict,
+    exp: Any,
+    words: dict[str, str],
+    sources: SourceMap | None = None,
 ) -> str:
     nsteps = len(steps)
     if verdict == "none":
         return f"none: the ledger records no {words['step']}"
     if verdict == "spread":
         best = stats[0] if stats else None
-        tail = f"smallest tail p = {best.p_value:.2g} (shard {best.shard})" if best else "no shard data"
+        tail = f"smallest tail p = {best.p_value:.2g} ({_at(best.shard, sources)})" if best else "no shard data"
         return (
             f"spread: {nsteps} {words['step']}(s) over {len({s.shard for s in stats if s.events})} shard(s), "
             f"no shard beyond chance ({tail}; threshold {ALPHA:g}/{max(len(stats), 1)} shards): "
             "look at the learning rate, clipping and precision first"
         )
     names = ("shard " if len(suspects) == 1 else "shards ") + ", ".join(str(s.shard) for s in suspects)
+    if sources is not None:  # a mixture's: each in its source, and which sources they are in
+        ids = [s.shard for s in suspects]
+        names = f"{', '.join(shard_name(sources, i) for i in ids)}, {sources_phrase(sources, ids)}"
     involved = _covered(steps, {s.shard for s in suspects})
     seen = sum(s.exposures or 0 for s in suspects)
     share = f" ({_pct(seen, sum(exp.values()))} of examples seen)" if exp else " (exposure not recorded yet)"
@@ -248,7 +278,7 @@ def report(run_dir: str | Path, ledger: str = LEDGER) -> NonFiniteReport:
         raise UserError(f"{run_dir}: no such run directory")
     if ledger not in _WORDS:
         raise UserError(f"ledger={ledger!r}: use {LEDGER} or {SPIKES}")
-    rep = _report(run_dir, ledger)
+    rep = _report(run_dir, ledger, run_sources(run_dir))
     if ledger == SPIKES:
         rep.layers = spike_layers(read_layers(run_dir), rep.steps)
         if said := attribution_sentence(rep.layers):
@@ -256,8 +286,8 @@ def report(run_dir: str | Path, ledger: str = LEDGER) -> NonFiniteReport:
     return rep
 
 
-def _report(run_dir: Path, ledger: str) -> NonFiniteReport:
-    """:func:`report`'s shard (or rank) attribution and verdict, before the layers."""
+def _report(run_dir: Path, ledger: str, sources: SourceMap | None) -> NonFiniteReport:
+    """:func:`report`'s shard (or rank) attribution and verdict, before the layers (``sources``: a mixture run's)."""
     events = read_ledger(run_dir, ledger, bounds=dataset_bounds(run_dir))  # positions inside the run's data
     exposure = read_exposure(run_dir)
     steps = _by_step(events)
@@ -272,17 +302,20 @@ def _report(run_dir: Path, ledger: str) -> NonFiniteReport:
     if not steps:
         verdict = "none"
     elif machines is not None:
-        return _rank_report(machines, stats, ranks, steps, localized, _WORDS[ledger])
+        rep = _rank_report(machines, stats, ranks, steps, localized, _WORDS[ledger])
+        rep.sources = sources
+        return rep
     elif suspects and _covered(steps, {s.shard for s in suspects}) * 2 >= len(steps):
         verdict = "shard-selective"
     else:
         verdict = "spread"
     suspects = suspects if verdict == "shard-selective" else []
-    sentence = _sentence(verdict, suspects, stats, steps, exposure, _WORDS[ledger])
+    sentence = _sentence(verdict, suspects, stats, steps, exposure, _WORDS[ledger], sources)
     stats.sort(key=lambda st: (-st.events, st.shard))
     return NonFiniteReport(
-        verdict, [s.shard for s in suspects], stats, ranks, sentence, sorted(s for s, _ in steps), localized, ALPHA
-    )
+        verdict, [s.shard for s in suspects], stats, ranks, sentence, sorted(s for s, _ in steps), localized, ALPHA,
+        sources=sources,
+    )  # fmt: skip
 
 
 def _machines(run_dir: Path, ledger: str, events: list, steps: dict) -> tuple[list, list, list[str]] | None:

@@ -4,6 +4,8 @@ The summary states what a person needs to judge the run at a glance: the batch p
 batch = micro x accumulation x world, the scaled LR and its rule), how many steps ran, were skipped
 and clipped, the environment in one paragraph, the final loss and, when the run recorded layer norms,
 the layers with the largest updates and any that never received a gradient, with the plots embedded.
+A mixture run (``sources.json``) gets a plot of each source's loss, one of the realized mixture against its
+plan, and a table of its sources (:mod:`.mixture`, :mod:`.mixplots`).
 A plot that cannot be drawn is named in the summary; the rest of the report is still written.
 """
 
@@ -13,15 +15,18 @@ import logging
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from steadytrain._io import load_json, one_line, write_text_atomic
 from steadytrain._text import error_text, md
 from steadytrain.errors import UserError
 from steadytrain.rundir.schema import check_nonfinite_report
-from steadytrain.runs import layerplot, plots
+from steadytrain.runs import layerplot, mixplots, mixture, plots
 from steadytrain.runs.record import RunRecord, load_run, shown, smooth
 from steadytrain.train.observe.figures import describe, summarize
+
+if TYPE_CHECKING:
+    from steadytrain.data.sourcemap import SourceMap
 
 __all__ = ["PLOTS", "Report", "environment_paragraph", "plan_sentence", "report", "report_after_training"]
 
@@ -35,7 +40,7 @@ PLOTS = {
     "layers": layerplot.layers_plot,
 }
 """Plot name (``plots/<name>.png``) -> the function that draws it (and returns its path, or None when the run has
-nothing to draw there: ``layers`` without ``layers.jsonl``)."""
+nothing to draw there: ``layers`` without ``layers.jsonl``). A mixture run draws :func:`.mixplots.plots_for` too."""
 
 
 @dataclass
@@ -56,7 +61,8 @@ def report(run: str | Path, *, stopped: str | None = None) -> Report:
         stopped: why training stopped early, when the caller knows (``train`` passes it).
 
     Raises:
-        UserError: not a run directory, or a malformed file in it (names the file).
+        UserError: not a run directory, or a malformed file in it (names the file; a damaged ``sources.json``
+            before anything is written).
 
     Example:
         >>> from steadytrain.runs import report
@@ -64,9 +70,10 @@ def report(run: str | Path, *, stopped: str | None = None) -> Report:
         PosixPath('runs/default/summary.md')
     """
     rec = load_run(run)
+    sources = mixture.load_mixture(rec)
     out = Report(summary=rec.run.summary)
     where = _plots_dir(rec)
-    for name, draw in PLOTS.items():
+    for name, draw in {**PLOTS, **(mixplots.plots_for(sources) if sources else {})}.items():
         try:
             drawn = draw(rec, where / f"{name}.png")
             if drawn is not None:
@@ -76,7 +83,7 @@ def report(run: str | Path, *, stopped: str | None = None) -> Report:
         except Exception as err:  # a plot is never worth losing the report (or the run) over
             out.failed[name] = f"{type(err).__name__}: {error_text(err)}"
             log.warning("%s: could not draw the %s plot: %s", rec.run.path, name, out.failed[name])
-    write_text_atomic(out.summary, summary_markdown(rec, out, stopped))
+    write_text_atomic(out.summary, summary_markdown(rec, out, stopped, sources))
     return out
 
 
@@ -193,9 +200,10 @@ def _spike_line(rec: RunRecord) -> str | None:
     return f"loss spikes: {md(report(rec.run.path, SPIKES).sentence)} (`spikes.jsonl`)"
 
 
-def summary_markdown(rec: RunRecord, rep: Report, stopped: str | None) -> str:
+def summary_markdown(rec: RunRecord, rep: Report, stopped: str | None, sources: SourceMap | None = None) -> str:
     """The text of ``summary.md``: every value a user controls (names, config, provenance, messages) goes through
-    :func:`~steadytrain._text.md`; the table holds numbers this function formats."""
+    :func:`~steadytrain._text.md`; the table holds numbers this function formats. ``sources``: a mixture run's
+    (:func:`.mixture.load_mixture`), for its table of sources."""
     s = _stats(rec)
     threshold = (rec.config.get("clip") or {}).get("max_grad_norm")
     rows = [
@@ -217,6 +225,7 @@ def summary_markdown(rec: RunRecord, rep: Report, stopped: str | None) -> str:
     lines += [f"- {x}" for x in _resume_lines(rec)]
     lines += [f"- {x}" for x in _restart_lines(rec)]
     lines += ["", "| | |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows), ""]
+    lines += mixture.summary_lines(rec, sources) if sources else []
     lines += [f"**Environment.** {md(environment_paragraph(rec.env))}", "", *_layer_lines(rec)]
     for name, path in rep.plots.items():
         lines += [f"![{name}](plots/{path.name})", ""]

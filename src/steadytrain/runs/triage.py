@@ -21,6 +21,9 @@ on the batch, else ``undecided`` (the replay cannot tell the data from the state
 The replay must be of the step the ledger recorded: a step past the run's last, one refused for its item count
 (not for non-finite values), data that changed since the run (``data.json``'s fingerprint) or a rebuilt batch that
 lacks examples the ledger saw in play at step ``S`` (a batch size or seed changed since) is an error, not a verdict.
+
+A mixture run (``sources.json``) names the source of the shards the suspects are from: ``suspects`` in the JSON
+(``{shard, source, source_shard}``, ``shard`` the mixture's id) and, for a ``data`` verdict, the note.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import math
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -42,18 +45,23 @@ from steadytrain.data import open_dataset
 from steadytrain.diagnose import read_ledger, report
 from steadytrain.diagnose.hunt import step_batch, take_rows
 from steadytrain.diagnose.ledger import LEDGER
+from steadytrain.diagnose.mixture import run_sources, shard_name, source_keys, sources_phrase
 from steadytrain.diagnose.ranks import flagged_examples, host_key, read_hosts
 from steadytrain.errors import UserError
 from steadytrain.rundir.layout import RunDir, open_run_dir
 from steadytrain.rundir.schema import read_metrics
 from steadytrain.runs.replay import run_model
 
+if TYPE_CHECKING:
+    from steadytrain.data.sourcemap import SourceMap
+
 __all__ = ["Triage", "triage"]
 
 
 @dataclass
 class Triage:
-    """``to_dict``: ``verdict``, ``step``, ``replays`` (``{variant, loss, finite}``), ``rank``, ``host``, ``note``."""
+    """``to_dict``: ``verdict``, ``step``, ``replays`` (``{variant, loss, finite}``), ``rank``, ``host``, ``note``;
+    a mixture run's ``suspects`` too."""
 
     verdict: str
     step: int
@@ -61,9 +69,15 @@ class Triage:
     rank: list[int] = field(default_factory=list)
     host: list[str] = field(default_factory=list)
     note: str = ""
+    suspects: list[dict[str, Any]] | None = None
+    """A mixture run's: ``{shard, source, source_shard}`` of each shard the suspects are from (the report's suspect
+    shards and those of the examples flagged at the step); None for a single-source run."""
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(self)
+        if self.suspects is None:
+            del out["suspects"]
+        return out
 
 
 def _replay(model: nn.Module, batch: dict[str, Any]) -> tuple[float | None, bool, list[float]]:
@@ -126,7 +140,20 @@ def triage(run_dir: str | Path, step: int) -> Triage:
     replays.append({"variant": "repeat", "loss": again[0], "finite": again[1], "bitwise_equal": same})
     hosts = read_hosts(run.path, LEDGER)  # the step's own lines: a rank's host may have changed during the run
     seen = sorted({hosts[k] for e in events if e.rank in ranks and (k := host_key(step, e)) in hosts})
-    return _verdict(step, replays, ranks, seen, settings.note)
+    return _name_sources(_verdict(step, replays, ranks, seen, settings.note), run_sources(run.path), shards, examples)
+
+
+def _name_sources(found: Triage, sources: SourceMap | None, shards: set[int], examples: set[tuple[int, int]]) -> Triage:
+    """A mixture run's ``found`` with the source of each shard the suspects are from (``shards``: the report's suspect
+    shards; ``examples``: ``(shard, index)`` flagged at the step): in ``suspects`` and, for ``data``, the note."""
+    if sources is None:
+        return found
+    ids = sorted(shards | {s for s, _ in examples})
+    found.suspects = [{"shard": s, **source_keys(sources, s)} for s in ids]
+    if found.verdict == "data" and ids:
+        names = ", ".join(shard_name(sources, s) for s in ids)
+        found.note += f"; the suspects are from {names}, {sources_phrase(sources, ids)}"
+    return found
 
 
 def _within_run(run: RunDir, step: int) -> None:

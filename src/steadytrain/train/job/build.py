@@ -13,24 +13,25 @@ import torch
 
 from steadytrain.accumulate import GradientAccumulator
 from steadytrain.data import EvalSet, ShardedDataset
+from steadytrain.data.sourcemap import SourceMap
 from steadytrain.rundir.layout import RunDir
 from steadytrain.train.hf.model import hf_run_files
 from steadytrain.train.job.spikes import SpikeGuard
 from steadytrain.train.job.state import TrainState
 from steadytrain.train.observe.layers import LayerMonitor
 from steadytrain.train.observe.metrics import MetricsLog, Progress
+from steadytrain.train.observe.sources import SourceLosses
 from steadytrain.train.observe.throughput import Throughput
 from steadytrain.train.observe.trackers import start_trackers
 from steadytrain.train.setup.config import TrainConfig
 from steadytrain.train.setup.distributed import DistInfo, wrap_model
-from steadytrain.train.setup.holdout import HeldOut, holdout
+from steadytrain.train.setup.holdout import HeldOut
 from steadytrain.train.setup.mesh import join_mesh
+from steadytrain.train.setup.mixture import source_map, training_data, validation_data
 from steadytrain.train.setup.models import build_model
 from steadytrain.train.setup.pieces import (
     RunPlan,
     build_accumulator,
-    build_dataset,
-    build_evalset,
     build_optimizer,
     data_path,
     fsdp_policy,
@@ -61,6 +62,8 @@ class Pieces:
     hf_files: dict[str, str]
     info: DistInfo
     """The job's place on every rank, with its layout (:func:`~steadytrain.train.setup.mesh.join_mesh`)."""
+    sources: SourceMap | None = None
+    """``data.sources``: the mixture's sources and shard ids, as ``sources.json`` has them (None: one dataset)."""
 
 
 def build_pieces(cfg: TrainConfig, info: DistInfo) -> Pieces:
@@ -72,10 +75,9 @@ def build_pieces(cfg: TrainConfig, info: DistInfo) -> Pieces:
     seed_everything(cfg.run.seed, cfg.run.deterministic)
     path = data_path(cfg)
     layout = resolve_plan(cfg, info.dp_size, None)
-    held = holdout(cfg, path, layout.global_batch_size)
-    ds = build_dataset(cfg, path, info, layout.accumulation_steps, held.shards, rows=held.training_rows)
+    ds, held, mix = training_data(cfg, info, layout.global_batch_size, layout.accumulation_steps)
     plan = resolve_plan(cfg, info.dp_size, ds.steps_per_epoch, ds.dropped_per_epoch)
-    evalset = build_evalset(cfg, path, held.shards, info, ds, rows=held.rows)  # refused here, before any step
+    evalset = validation_data(cfg, info, ds, held, mix)  # refused here, before any step
     torch.manual_seed(cfg.run.seed)  # the same initial weights on every rank
     model = build_model(cfg.model.name, cfg.model.kwargs(), context=model_context(cfg, path))
     hf_files = hf_run_files(model, path) if info.is_main else {}  # config.json, tokenizer: `export --format hf`
@@ -86,7 +88,8 @@ def build_pieces(cfg: TrainConfig, info: DistInfo) -> Pieces:
     optimizer = build_optimizer(cfg, model, plan.lr, info.device)
     scaler = torch.amp.GradScaler(info.device.type) if cfg.precision == "fp16" else None
     acc = build_accumulator(cfg, model, optimizer, plan, scaler)
-    return Pieces(plan, held, ds, evalset, model, compiled, optimizer, scaler, acc, hf_files, info)
+    sources = source_map(cfg, mix, ds) if mix is not None else None
+    return Pieces(plan, held, ds, evalset, model, compiled, optimizer, scaler, acc, hf_files, info, sources)
 
 
 def start_metrics(
@@ -118,5 +121,6 @@ def start_metrics(
         spikes=spikes if spikes.collects else None,
         throughput=meter,
         layers=layers,
+        sources=SourceLosses(p.sources.names, info) if p.sources is not None else None,
         trackers=start_trackers(run, cfg, info, step=state.step),
     )

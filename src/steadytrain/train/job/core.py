@@ -15,6 +15,7 @@ from filelock import FileLock
 
 from steadytrain.accumulate import GradientAccumulator
 from steadytrain.data import ShardedDataset
+from steadytrain.data.sourcemap import SourceMap
 from steadytrain.rundir.layout import RunDir
 from steadytrain.train.checkpoint.writer import CheckpointWriter
 from steadytrain.train.job.evaluate import Validation
@@ -109,6 +110,8 @@ class Job:
     """The hang watchdog's thread (``distributed.watchdog_s``), or None."""
     hosts: list[str | None] | None = None
     """Every rank's hostname, on rank 0 (from the environment gather at start); None on other ranks."""
+    sources: SourceMap | None = None
+    """A mixture's sources (``data.sources``), as ``sources.json`` holds them; None: one dataset."""
 
     @property
     def compile_s(self) -> float | None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -40,10 +40,15 @@ class EvalResult:
     val_loss: float | None
     val_items: int
     nonfinite: int
+    sources: dict[str, tuple[float | None, int]] = field(default_factory=dict)
+    """A mixture's validation per source that holds some out: ``{name: (val_loss, val_items)}``."""
 
     def row(self, step: int) -> dict[str, Any]:
-        """The ``metrics.jsonl`` row: ``step``, ``val_loss``, ``val_items`` (and ``val_nonfinite`` when any)."""
+        """The ``metrics.jsonl`` row: ``step``, ``val_loss``, ``val_items`` (and ``val_nonfinite`` when any; a
+        mixture's ``val_loss/<name>`` and ``val_items/<name>``)."""
         out: dict[str, Any] = {"step": step, "val_loss": self.val_loss, "val_items": self.val_items}
+        for name, (loss, items) in self.sources.items():
+            out |= {f"val_loss/{name}": loss, f"val_items/{name}": items}
         return out | ({"val_nonfinite": self.nonfinite} if self.nonfinite else {})
 
 
@@ -77,7 +82,8 @@ def evaluate(model: nn.Module, evalset: EvalSet, info: DistInfo, *, precision: s
     """The validation loss of ``model`` over ``evalset`` on every rank (a collective when distributed)."""
     net, lockstep = _callable(model)
     was_training = net.training
-    totals = torch.zeros(3, dtype=torch.float64, device=info.device)  # loss sum, examples, non-finite
+    names = getattr(evalset, "names", [])  # a mixture's sources: a loss sum and a count per source too
+    totals = torch.zeros(3 + 2 * len(names), dtype=torch.float64, device=info.device)  # loss sum, examples, non-finite
     devices = [info.device] if info.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices), torch.no_grad():
         net.eval()
@@ -88,7 +94,7 @@ def evaluate(model: nn.Module, evalset: EvalSet, info: DistInfo, *, precision: s
                 n = len(batch["index"])
                 with precision_context(info.device, precision):
                     losses = _losses(net(_to(batch, info.device)), n)
-                totals += torch.stack([losses.sum(), losses.new_tensor(n), (~torch.isfinite(losses)).sum().double()])
+                _count(totals, losses, batch["source"] if names else None)
             for _ in range(evalset.forwards - evalset.real if lockstep else 0):  # the same forwards on every rank
                 with precision_context(info.device, precision):
                     net(_to(first or evalset.pad_batch(), info.device))
@@ -98,11 +104,28 @@ def evaluate(model: nn.Module, evalset: EvalSet, info: DistInfo, *, precision: s
         dist.all_reduce(totals)  # each rank saw its share of the held-out set: the loss is over all of it
         if info.tp > 1:
             totals /= info.tp  # the ranks of one tensor-parallel group evaluated the same examples
-    loss_sum, items, nonfinite = totals.tolist()  # host sync, once per evaluation: the result is logged and compared
-    val = loss_sum / items if items and math.isfinite(loss_sum) else None
+    values = totals.tolist()  # host sync, once per evaluation: the result is logged and compared
+    loss_sum, items, nonfinite = values[:3]
     if nonfinite:
         log.warning("evaluation: %d of %d validation losses are not finite", int(nonfinite), int(items))
-    return EvalResult(val, int(items), int(nonfinite))
+    per = {
+        name: (_mean(s, c), int(c))
+        for name, s, c in zip(names, values[3 : 3 + len(names)], values[3 + len(names) :], strict=True)
+        if c
+    }
+    return EvalResult(_mean(loss_sum, items), int(items), int(nonfinite), per)
+
+
+def _count(totals: torch.Tensor, losses: torch.Tensor, source: torch.Tensor | None) -> None:
+    """Add a batch's losses to ``totals`` (loss sum, examples, non-finite; then per source sums and counts)."""
+    totals[:3] += torch.stack([losses.sum(), losses.new_tensor(len(losses)), (~torch.isfinite(losses)).sum().double()])
+    if source is not None:
+        src, n = source.to(totals.device), (len(totals) - 3) // 2
+        totals[3:].index_add_(0, torch.cat([src, src + n]), torch.cat([losses, torch.ones_like(losses)]))
+
+
+def _mean(total: float, count: float) -> float | None:
+    return total / count if count and math.isfinite(total) else None
 
 
 @dataclass

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from steadytrain._io import load_json, rewrite_jsonl, write_text_atomic
 from steadytrain._text import md
 from steadytrain._yamlio import load_yaml
+from steadytrain.data.sourcemap import SOURCES_FILE, SourceMap
 from steadytrain.errors import UserError
 from steadytrain.rundir.layout import RunDir, claim_run_dir, lock_run, open_run_dir
 from steadytrain.rundir.schema import check_plan, read_metrics, read_resumes
@@ -40,9 +41,11 @@ def prepare(
     resume: Path | None,
     data: Path,
     held_out: HeldOut | None = None,
+    sources: SourceMap | None = None,
 ) -> tuple[RunDir, Any, dict[str, list[Any]]]:
     """The run directory, locked by rank 0 for the run's lifetime: claimed new (never overwritten), or
-    the one to resume with what the resume changes (refused in one line if it cannot be honoured).
+    the one to resume with what the resume changes (refused in one line if it cannot be honoured). A mixture's
+    ``sources`` go to ``sources.json``, and ``data.json`` describes each source.
 
     Returns ``(run, lock, changes)``; ``lock`` is None on other ranks (release it when done).
     """
@@ -61,9 +64,14 @@ def prepare(
                 run = claim_run_dir(path)
                 lock = lock_run(run)
                 run.write_config(resolved_config(cfg))
-                run.write_json(run.plan, {**plan.to_dict(), "data": str(Path(data).resolve()), **_held(held_out)})
+                where = str(Path(data).resolve()) if sources is None else None
+                run.write_json(run.plan, {**plan.to_dict(), "data": where, **_held(held_out)})
                 shards = held_out.shards if held_out else None
-                run.write_json(run.data, describe_data(data, held_out=shards, validation=cfg.eval.data))
+                if sources is None:
+                    run.write_json(run.data, describe_data(data, held_out=shards, validation=cfg.eval.data))
+                else:
+                    run.write_json(run.path / SOURCES_FILE, sources.to_dict())
+                    run.write_json(run.data, describe_mixture(sources, validation=cfg.eval.data))
         except UserError as err:
             error = str(err)
             if lock is not None:
@@ -139,6 +147,20 @@ def describe_data(
         "provenance": majority_provenance(ds),
         "outliers": {str(k): {f: list(v) for f, v in d.items()} for k, d in sorted(odd.items())[:max_odd]},
         "outliers_total": len(odd),
+    }
+
+
+def describe_mixture(sources: SourceMap, validation: str | None = None) -> dict[str, Any]:
+    """``data.json`` of a mixture run: each source described as one dataset is (with its name and first shard id),
+    and the mixture's fingerprint (its sources' names and fingerprints)."""
+    parts = [{"name": s.name, "offset": s.offset, **describe_data(Path(s.path))} for s in sources.spans]
+    extra = {"validation": describe_data(Path(validation))} if validation is not None else {}
+    return extra | {
+        "path": None,
+        "fingerprint": "mix(" + ";".join(f"{p['name']}={p['fingerprint']}" for p in parts) + ")",
+        "shards": sum(p["shards"] for p in parts),
+        "records": sum(p["records"] for p in parts),
+        "sources": parts,
     }
 
 
@@ -281,6 +303,9 @@ def write_exposure(job: Job) -> dict[int, int]:
     exposure = job.state.global_exposure(job.info, job.ds.shard_ids)
     if job.info.is_main:
         job.run.write_json(job.run.exposure, {str(k): v for k, v in sorted(exposure.items())})
+        if job.sources is not None:  # a mixture: what was seen of each source, in sources.json
+            seen = job.sources.with_exposure(exposure, job.ds.source_epochs(job.ds.steps_taken))
+            job.run.write_json(job.run.path / SOURCES_FILE, seen.to_dict())
     return exposure
 
 

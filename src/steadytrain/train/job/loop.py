@@ -117,7 +117,14 @@ def _build(cfg: TrainConfig, info: DistInfo, where: _Where, signals: contextlib.
         found = restart.auto_resume(info, path)
         where = _Where(None if found else path, found, where.stop_after, True)
     run, lock, changes = runfiles.prepare(
-        cfg, info, p.plan, run_dir=where.run_dir, resume=where.resume, data=data_path(cfg), held_out=p.held
+        cfg,
+        info,
+        p.plan,
+        run_dir=where.run_dir,
+        resume=where.resume,
+        data=data_path(cfg),
+        held_out=p.held,
+        sources=p.sources,
     )
     try:
         for name, text in p.hf_files.items():
@@ -149,7 +156,7 @@ def _build(cfg: TrainConfig, info: DistInfo, where: _Where, signals: contextlib.
         state=state, writer=writer, spikes=spikes, metrics=start_metrics(cfg, info, p, run, state, spikes, meter),
         stop=signals.enter_context(StopRequest(info)),  # its handlers until the job has ended (end_job)
         held_out=p.held, hyper=hyper, validation=validation, lock=lock, changes=changes, compiled=p.compiled,
-        stop_after=where.stop_after, beat=Beat(state.step), hosts=hosts,
+        stop_after=where.stop_after, beat=Beat(state.step), hosts=hosts, sources=p.sources,
     )  # fmt: skip
     job.watchdog = start_watchdog(cfg.distributed.watchdog_s, info, run.path, job.beat)
     if spikes.decides:  # the flag is read with the gradient norm, in the step's one host read
@@ -298,6 +305,8 @@ def _micro_batch(job: Job, mb: dict[str, Any]) -> tuple[Any, torch.Tensor]:
         loss = check_losses(out, len(index)).float().mean()
         if out.dim() == 1:
             tag["losses"] = out.detach()  # per-example; its flags are computed only if the step is refused
+        if job.metrics.sources is not None:
+            job.metrics.sources.add(out, mb["source"])  # a mixture's loss per source: a device op, no host read
         detached = loss.detach()
         if job.spikes.detector is not None:  # a spike's record of a model that returns a scalar loss
             tag["loss"] = detached

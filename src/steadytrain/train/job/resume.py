@@ -62,7 +62,7 @@ def config_changes(saved: dict[str, Any], new: dict[str, Any]) -> dict[str, list
 
 def _why_refused(key: str, old: Any, new: Any, evaluated: bool) -> str | None:
     """Why a resume cannot change ``key`` from ``old`` to ``new`` (None: it can)."""
-    if key in _SPEED:
+    if key in _SPEED or key == "data.mix_schedule":  # the data state refuses a change to a step already trained
         return None
     why = next((w for prefix, w in _REFUSED.items() if key == prefix or key.startswith(prefix)), None)
     if why is None and key == "precision" and "fp16" in (old, new):

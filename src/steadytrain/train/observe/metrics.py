@@ -78,6 +78,9 @@ class MetricsLog:
     layers: Any = None
     """The run's :class:`~steadytrain.train.observe.layers.LayerMonitor` (``monitor.layers: norms``): its rows are
     written to ``layers.jsonl`` with the interval's metrics, and reach the trackers on their step's row."""
+    sources: Any = None
+    """A mixture's :class:`~steadytrain.train.observe.sources.SourceLosses`: the interval's last row gets
+    ``loss/<name>`` and ``mix/<name>`` per source."""
     throughput: Any = None
     """A :class:`~steadytrain.train.observe.throughput.Throughput`: rows get ``tokens_per_s``, ``flops_per_s``,
     ``mfu`` (the known ones, from ``items_per_s``) and ``peak_mem_mb`` (read once per flush: no device sync)."""
@@ -141,6 +144,8 @@ class MetricsLog:
             rows.append(self._row(p, loss, max(p.t - self._t_last - sum(p.aside.values()), 1e-9)) | mem)
             self._t_last = p.t
         self._pending.clear()
+        if self.sources is not None:  # a collective, on every rank
+            rows[-1] |= self.sources.take()
         self.last = rows[-1]
         layer_rows = self.layers.take() if self.layers is not None else []
         if self.info.is_main:

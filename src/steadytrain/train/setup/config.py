@@ -23,11 +23,14 @@ from steadytrain.train.setup.sections import (
     ClipConfig,
     DistributedConfig,
     EnvConfig,
+    MixStepConfig,
     MonitorConfig,
     NonFiniteConfig,
     ProfileConfig,
     Section,
+    SourceConfig,
     SpikeConfig,
+    check_mixture,
 )
 
 __all__ = ["SpikeConfig", "TrainConfig", "apply_overrides", "error_line", "load_config", "resolved_config"]
@@ -102,7 +105,17 @@ class DataConfig(Section):
     """Micro-batches read ahead by the workers, in all (at least one per worker)."""
     transform: str | None = None
     """``package.module:function`` applied to every micro-batch (dict -> dict of the same length), in the workers."""
+    sources: list[SourceConfig] | None = None
+    """A mixture: ``[{name, path, weight}, ...]`` instead of ``data.path``; every global batch holds each source's
+    weighted share exactly (see docs/data.md, "Mixtures"); ``run.epochs`` counts passes over the largest-weighted."""
+    mix_schedule: list[MixStepConfig] | None = None
+    """Mixture weights changing during the run: ``[{step, weights: {name: weight}}, ...]``, each from its step on."""
     model_config = ConfigDict(extra="forbid", populate_by_name=True, use_attribute_docstrings=True)
+
+    @model_validator(mode="after")
+    def _mixture(self) -> DataConfig:
+        check_mixture(self.sources, self.mix_schedule, self.path)
+        return self
 
 
 class BatchConfig(Section):
@@ -266,7 +279,7 @@ class TrainConfig(Section):
             return self
         given = {k: getattr(e, k) for k in e.model_fields_set}
         if not e.model_fields_set & set(_EVAL_SOURCES):
-            defaults = DEFAULT_EVAL if self.data.path is None else DEFAULT_USER_EVAL
+            defaults = DEFAULT_EVAL if self.data.path is None and self.data.sources is None else DEFAULT_USER_EVAL
             object.__setattr__(self, "eval", EvalConfig(**{**defaults, **given}))
         elif others := sorted(k for k, v in given.items() if v is not None):
             raise ValueError(

@@ -74,6 +74,8 @@ def data_path(cfg: TrainConfig) -> Path:
     """The dataset directory: the configured one, or the embedded corpus (written on first use)."""
     if cfg.data.path is not None:
         return Path(cfg.data.path)
+    if cfg.data.sources:  # a mixture: what the model is built for (the sources share columns and tokens)
+        return Path(cfg.data.sources[0].path)
     from steadytrain.train.setup.corpus import default_corpus
 
     return default_corpus(cfg.data.seq_len)
@@ -257,7 +259,7 @@ def model_context(cfg: TrainConfig, path: Path) -> dict[str, Any]:
     same shards its target-encoding statistics are fitted on).
     """
     ctx: dict[str, Any] = {"seq_len": cfg.data.seq_len}
-    if (cfg.model.name == "tiny-lm" or is_hf(cfg.model.name)) and cfg.data.path is not None:
+    if (cfg.model.name == "tiny-lm" or is_hf(cfg.model.name)) and (cfg.data.path or cfg.data.sources) is not None:
         ds = open_dataset(path)
         ctx.update(token_context(ds.provenance))
         if is_hf(cfg.model.name) and ds.shard_ids:  # refused before the run directory, not at the first forward

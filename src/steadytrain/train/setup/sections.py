@@ -20,10 +20,13 @@ __all__ = [
     "DistributedConfig",
     "EnvConfig",
     "MeshConfig",
+    "MixStepConfig",
     "NonFiniteConfig",
     "ProfileConfig",
     "Section",
+    "SourceConfig",
     "SpikeConfig",
+    "check_mixture",
 ]
 
 
@@ -55,6 +58,26 @@ class ClipConfig(Section):
     """Global L2-norm clipping threshold (over every parameter, on all ranks)."""
     clip_value: float | None = Field(default=None, gt=0, allow_inf_nan=False)
     """Element-wise clamp to [-clip_value, clip_value] (a different algorithm)."""
+
+
+SOURCE_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
+"""A source's name: it becomes metric keys (``loss/<name>``), plot labels and table cells."""
+
+
+class SourceConfig(Section):
+    name: str = Field(pattern=SOURCE_NAME)
+    """The source's name in metrics (``loss/<name>``), reports and messages: letters, digits, ``_.-``."""
+    path: str = Field(min_length=1)
+    """Its dataset directory (``data ingest`` output), with its own schema and provenance."""
+    weight: float = Field(gt=0, allow_inf_nan=False)
+    """Its share of every global batch, relative to the other sources' weights."""
+
+
+class MixStepConfig(Section):
+    step: int = Field(ge=1, le=MAX_COUNT)
+    """The first optimizer step these weights apply to (counted as in ``metrics.jsonl``: the first step is 1)."""
+    weights: dict[str, float]
+    """Every source's weight from that step on (``{name: weight}``; 0 leaves a source out; one > 0)."""
 
 
 MESH_DIMS = ("replicate", "shard", "tp")
@@ -284,3 +307,37 @@ class ProfileConfig(Section):
     """The first optimizer step profiled (1-based, as ``metrics.jsonl`` counts)."""
     steps: int = Field(default=2, ge=1, le=MAX_COUNT)
     """Optimizer steps profiled from ``start_step``: ``RUN/profile/rank{r}-steps{a}-{b}.pt.trace.json``."""
+
+
+def check_mixture(sources: list[SourceConfig] | None, schedule: list[MixStepConfig] | None, path: str | None) -> None:
+    """A ValueError naming what is wrong with ``data.sources`` and ``data.mix_schedule`` (names, weights, steps)."""
+    from steadytrain.data.mixing import exact_weight
+
+    if schedule is not None and sources is None:
+        raise ValueError("data.mix_schedule needs data.sources: give the sources it weights")
+    if sources is None:
+        return
+    if path is not None:
+        raise ValueError("give data.path (one dataset) or data.sources (a mixture), not both (set data.path to null)")
+    if not sources:
+        raise ValueError("data.sources is empty: give at least one {name, path, weight}, or use data.path")
+    names = [s.name for s in sources]
+    if dup := sorted({n for n in names if names.count(n) > 1}):
+        raise ValueError(f"data.sources: the name {dup[0]!r} is given twice: give each source its own name")
+    for s in sources:
+        exact_weight(f"data.sources {s.name} weight", s.weight)
+    last = 0
+    for entry in schedule or ():
+        if entry.step <= last:
+            raise ValueError(f"data.mix_schedule: step {entry.step} comes after step {last}: list steps in order")
+        last = entry.step
+        if unknown := sorted(set(entry.weights) - set(names)):
+            raise ValueError(
+                f"data.mix_schedule step {entry.step}: no source named {unknown[0]!r} (sources: {', '.join(names)})"
+            )
+        if missing := [n for n in names if n not in entry.weights]:
+            raise ValueError(f"data.mix_schedule step {entry.step}: give a weight for {missing[0]!r} (0 leaves it out)")
+        for n in names:
+            exact_weight(f"data.mix_schedule step {entry.step} weight of {n}", entry.weights[n], zero=True)
+        if not any(entry.weights[n] > 0 for n in names):
+            raise ValueError(f"data.mix_schedule step {entry.step}: every weight is 0: give one source a weight > 0")

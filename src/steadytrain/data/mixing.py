@@ -1,0 +1,148 @@
+"""How many examples of each source every optimizer step of a mixture holds: exact integers, per step.
+
+A mixture of ``J`` sources with weights ``w`` (normalised to sum 1) and a global batch of ``G`` examples:
+step ``s`` holds ``c_j(s)`` examples of source ``j``, ``sum_j c_j(s) = G`` exactly. The counts follow the
+largest-remainder rule (Hamilton) applied to each step's quota plus the share carried from the steps before:
+
+    q_j(s) = G·w_j(s) + d_j(s)        d_j(0) = 0,   d_j(s+1) = q_j(s) - c_j(s)
+
+``c_j(s)`` is ``floor(q_j)`` and the ``G - sum floor`` remaining examples go to the largest remainders (ties:
+sources in an order rotated by ``seed + s``, so no source is always last). Every ``c_j(s) >= 0``. So the
+cumulative count ``C_j(s) = sum_{t<s} c_j(t)`` stays within one example of ``sum_{t<s} G·w_j(t)`` (when every
+source's share of a step is at least one example; a source whose share is below one example per step gets
+its examples every few steps, within two), and over any window of steps the counts match the weights as
+closely as integers allow, within two examples. The weights are exact fractions (``0.1`` is 1/10) and every
+quota is an integer in units of ``1/D``: no rounding drifts, on any machine, over any number of steps.
+
+Weights may change at given steps (``schedule``): piecewise constant, the carried share continues across the
+change. Counts depend on the step and the weights up to it, never on the world size or on where a run resumed.
+"""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+
+from steadytrain._check import check_int
+from steadytrain.errors import UserError
+
+__all__ = ["MixCounts", "exact_weight"]
+
+_CACHE_EVERY = 1024  # steps between cached cumulative counts (random access costs at most this many steps)
+MAX_WEIGHT_DIGITS = 60  # a weight's exact fraction has at most this many digits in numerator and denominator
+
+
+def exact_weight(name: str, value: object, *, zero: bool = False) -> Fraction:
+    """``value`` as an exact fraction (a float as written: ``0.1`` is 1/10), or a :class:`UserError` naming ``name``.
+
+    Example:
+        >>> exact_weight("weight", 0.25)
+        Fraction(1, 4)
+    """
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise UserError(f"{name}={value!r} is not a number: give a weight > 0")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise UserError(f"{name}={value!r} is not a finite number: give a weight > 0")
+    frac = Fraction(repr(value)) if isinstance(value, float) else Fraction(value)
+    if frac < 0 or (frac == 0 and not zero):
+        raise UserError(f"{name}={value!r} must be {'>= 0' if zero else '> 0'}")
+    if max(len(str(frac.numerator)), len(str(frac.denominator))) > MAX_WEIGHT_DIGITS:
+        raise UserError(f"{name}={value!r} is too large or too small a weight: give weights within 1e-30 .. 1e30")
+    return frac
+
+
+class MixCounts:
+    """Per-step example counts of ``len(weights)`` sources in global batches of ``global_batch_size``.
+
+    Args:
+        weights: the weights from step 0 on (exact fractions, at least one > 0).
+        global_batch_size: ``G``, examples per optimizer step.
+        seed: rotates the order in which equal remainders get the step's last examples.
+        schedule: ``(step, weights)`` pairs, steps 0-based and increasing: those weights from that step on.
+
+    Example:
+        >>> mc = MixCounts([Fraction(3), Fraction(1)], global_batch_size=8)
+        >>> mc.counts(0), mc.before(10)
+        ([6, 2], [60, 20])
+    """
+
+    def __init__(
+        self,
+        weights: list[Fraction],
+        *,
+        global_batch_size: int,
+        seed: int = 0,
+        schedule: list[tuple[int, list[Fraction]]] = (),
+    ) -> None:
+        self.g = check_int("global_batch_size", global_batch_size)
+        self.seed = seed
+        self.n = len(weights)
+        segments = [(0, list(weights)), *[(s, list(w)) for s, w in schedule]]
+        for i, (start, w) in enumerate(segments):
+            if len(w) != self.n or not any(x > 0 for x in w) or any(x < 0 for x in w):
+                raise UserError(f"mixture weights at step {start}: give {self.n} weights >= 0, one of them > 0")
+            if i and start <= segments[i - 1][0]:
+                raise UserError(f"mixture schedule steps must increase: {start} after {segments[i - 1][0]}")
+        self.starts = [s for s, _ in segments]
+        # every quota in units of 1/D: D the least common multiple of the segments' weight totals (as integers)
+        ints = []
+        for _, w in segments:
+            den = math.lcm(*(x.denominator for x in w))
+            ints.append([int(x * den) for x in w])
+        self.d = math.lcm(*(sum(a) for a in ints))
+        self.quota = [[self.g * a * (self.d // sum(ints_)) for a in ints_] for ints_ in ints]
+        self._cache: list[tuple[list[int], list[int]]] = [([0] * self.n, [0] * self.n)]  # (C, carried) per 1024
+        self._last: tuple[int, list[int], list[int]] = (0, [0] * self.n, [0] * self.n)  # the last step asked for
+
+    def _segment(self, step: int) -> list[int]:
+        i = 0
+        while i + 1 < len(self.starts) and self.starts[i + 1] <= step:
+            i += 1
+        return self.quota[i]
+
+    def _step(self, step: int, carried: list[int]) -> list[int]:
+        """The counts of ``step`` from the share carried into it (updated in place to the share carried out)."""
+        d, n = self.d, self.n
+        q = [a + c for a, c in zip(self._segment(step), carried, strict=True)]
+        counts = [max(x // d, 0) for x in q]
+        left = self.g - sum(counts)
+        rot = (self.seed + step) % n
+        if left > 0:  # the largest remainders (negative quotas last): at most one more each
+            order = sorted(range(n), key=lambda j: (-(q[j] - counts[j] * d), (j - rot) % n))
+            for j in order[:left]:
+                counts[j] += 1
+        while left < 0:  # only when a quota is negative: take back the seats of smallest value
+            j = min((j for j in range(n) if counts[j]), key=lambda j: (q[j] - counts[j] * d + d, -((j - rot) % n)))
+            counts[j] -= 1
+            left += 1
+        for j in range(n):
+            carried[j] = q[j] - counts[j] * d
+        return counts
+
+    def _state_at(self, step: int) -> tuple[list[int], list[int]]:
+        """``(cumulative counts, carried share)`` before ``step``."""
+        check_int("step", step, 0)
+        k = min(step // _CACHE_EVERY, len(self._cache) - 1)
+        first, total, carried = k * _CACHE_EVERY, *(list(x) for x in self._cache[k])
+        if first <= self._last[0] <= step:  # readers ask for steps in order: continue from the last one
+            first, total, carried = self._last[0], list(self._last[1]), list(self._last[2])
+        for s in range(first, step):
+            for j, c in enumerate(self._step(s, carried)):
+                total[j] += c
+            if (s + 1) % _CACHE_EVERY == 0 and (s + 1) // _CACHE_EVERY == len(self._cache):
+                self._cache.append((list(total), list(carried)))
+        self._last = (step, list(total), list(carried))
+        return total, carried
+
+    def before(self, step: int) -> list[int]:
+        """Examples of each source in steps ``0 .. step-1`` (the stream position each source continues from)."""
+        return self._state_at(step)[0]
+
+    def counts(self, step: int) -> list[int]:
+        """Examples of each source in step ``step`` (they sum to the global batch)."""
+        return self._step(step, self._state_at(step)[1])
+
+    def weights_at(self, step: int) -> list[Fraction]:
+        """The normalised weights in force at ``step``."""
+        q = self._segment(step)
+        return [Fraction(x, self.g * self.d) for x in q]

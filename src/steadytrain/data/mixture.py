@@ -1,0 +1,335 @@
+"""``MixedDataset``: micro-batches of a weighted mixture of datasets, in one global order for any world size.
+
+Each source is a stream: its epochs one after another, each in the order a single-source run would read it
+(:mod:`steadytrain.data.order`: shards shuffled in windows, rows within a window, from the source's own seed),
+all of its rows (nothing dropped at an epoch's end: a source that runs out starts its next epoch on its own).
+Optimizer step ``s`` takes ``c_j(s)`` examples of source ``j`` (:class:`~steadytrain.data.mixing.MixCounts`:
+exactly the weighted share, per step) from where that source's stream stands, ``C_j(s)``; the ``G`` examples
+are then put in an order drawn from ``(seed, s)``, and split between ranks and micro-batches as a single
+source's step is. So step ``s`` holds the same examples for any world size, accumulation and micro-batch
+size with ``G`` fixed, and after any resume.
+
+Shards are numbered in one id space (:mod:`steadytrain.data.sourcemap`): source ``j``'s shard ``k`` is
+``offset_j + k`` in the ``shard`` column, and a ``source`` column holds ``j``. The training loop sees the
+interface of :class:`~steadytrain.data.batched.BatchedDataset`; its "epoch" here is a stretch of
+``steps_per_epoch`` steps: the steps one pass over the largest-weighted source takes at its initial weight.
+
+Reading: a rank reads, per chunk of its micro-batches, each source's rows of those micro-batches with one
+gather per window (one cached window per source), converts them once and slices micro-batches out of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from collections.abc import Iterator
+from fractions import Fraction
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+from steadytrain._io import brief
+from steadytrain.data.batched import BatchedDataset, resume_position
+from steadytrain.data.columnar import split_columns, to_columns
+from steadytrain.data.columns import schema_differences
+from steadytrain.data.format import DatasetError
+from steadytrain.data.mixing import MixCounts
+from steadytrain.data.order import GlobalLayout, epoch_windows, window_permutation
+from steadytrain.data.policy import PolicyCounts
+from steadytrain.data.transform import Transform, apply_transform
+from steadytrain.errors import UserError
+
+__all__ = ["MixedDataset", "source_seed"]
+
+log = logging.getLogger(__name__)
+
+_CHUNK_ROWS = 4096  # rows of this rank read and converted together
+
+
+def source_seed(seed: int, j: int) -> int:
+    """The order seed of source ``j`` (source 0 keeps the run's seed)."""
+    return seed if j == 0 else (seed * 1_000_003 + j) % 2**63
+
+
+class MixedDataset(IterableDataset):
+    """This rank's micro-batches of a mixture's global order; the position is kept for an exact resume.
+
+    Args:
+        names: the sources' names, in order.
+        readers: each source's reader (a :class:`BatchedDataset` with ``batch_size=1``, ``world_size=1``,
+            seeded with :func:`source_seed`): its shards, rows, schema policy and hold-out.
+        offsets: each source's first shard id in the mixture's id space.
+        weights, schedule: the weights from step 0, and ``(0-based step, weights)`` changes.
+        batch_size, accumulation_steps, rank, world_size, seed: as for :class:`BatchedDataset`.
+        largest: the source whose passes are the mixture's epochs (default: the largest initial weight).
+        transform: ``transform(mb) -> mb`` applied to every micro-batch.
+    """
+
+    def __init__(
+        self,
+        names: list[str],
+        readers: list[BatchedDataset],
+        offsets: list[int],
+        weights: list[Fraction],
+        *,
+        schedule: list[tuple[int, list[Fraction]]] = (),
+        batch_size: int,
+        accumulation_steps: int = 1,
+        rank: int = 0,
+        world_size: int = 1,
+        seed: int = 0,
+        largest: int | None = None,
+        transform: Transform | None = None,
+    ) -> None:
+        super().__init__()
+        self.names, self.readers, self.offsets = list(names), list(readers), list(offsets)
+        self.layout = GlobalLayout(batch_size, accumulation_steps, world_size)
+        self.rank, self.world_size, self.seed, self.transform = rank, world_size, seed, transform
+        self.mix = MixCounts(weights, global_batch_size=self.layout.global_batch_size, seed=seed, schedule=schedule)
+        self.sizes = [sum(r._rows.values()) for r in readers]
+        self.columns = readers[0].columns  # what a validation set must match
+        self._check_columns()
+        self._check_sizes()
+        self.largest = max(range(len(names)), key=lambda j: (weights[j], -j)) if largest is None else largest
+        share = Fraction(self.layout.global_batch_size) * weights[self.largest] / sum(weights)
+        self.steps_per_epoch = max(1, math.floor(self.sizes[self.largest] / share))
+        self.dropped_per_epoch = 0
+        self.shard_ids = sorted(o + s for o, r in zip(offsets, readers, strict=True) for s in r.shard_ids)
+        self.fingerprint = "mix(" + ";".join(f"{n}={r.fingerprint}" for n, r in zip(names, readers, strict=True)) + ")"
+        self.epoch, self.micro = 0, 0
+        self._windows: dict[tuple[int, int], list[list[int]]] = {}
+        self._table: dict[int, tuple[tuple[int, int], pa.Table]] = {}  # per source: its last window read
+
+    def _check_columns(self) -> None:
+        _, ref = self.readers[0].columns.reference()
+        for name, r in zip(self.names[1:], self.readers[1:], strict=True):
+            _, mine = r.columns.reference()
+            if diffs := schema_differences(mine, ref, f"source {self.names[0]!r}"):
+                raise DatasetError(
+                    f"data.sources: source {name!r} ({r.dataset.path}) does not have the columns of source "
+                    f"{self.names[0]!r}: {'; '.join(diffs)}: give sources with the same columns"
+                )
+        if "source" in ref.names:
+            raise DatasetError(
+                f"data.sources: source {self.names[0]!r} has its own column 'source', which a mixture adds to every "
+                "example: rename it in the data"
+            )
+
+    def _check_sizes(self) -> None:
+        for start in self.mix.starts:
+            top = [math.ceil(w * self.layout.global_batch_size) for w in self.mix.weights_at(start)]
+            for name, n, size in zip(self.names, top, self.sizes, strict=True):
+                if n > size:
+                    raise UserError(
+                        f"data.sources: source {name!r} has {size} examples but its share of a global batch is up to "
+                        f"{n} (from step {start + 1}): a step would repeat its examples; give it a smaller weight "
+                        "or more data"
+                    )
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.layout.global_batch_size
+
+    @property
+    def num_examples(self) -> int:
+        return sum(self.sizes)
+
+    @property
+    def global_step(self) -> int:
+        """The global step (0-based) of the micro-batch yielded last (as :attr:`BatchedDataset.global_step`)."""
+        return self.epoch * self.steps_per_epoch + max(self.micro - 1, 0) // self.layout.accumulation_steps
+
+    def __len__(self) -> int:
+        return self.steps_per_epoch * self.layout.accumulation_steps
+
+    set_epoch = BatchedDataset.set_epoch
+    seek = BatchedDataset.seek
+
+    @property
+    def steps_taken(self) -> int:
+        """Global steps whose micro-batches this rank has taken so far."""
+        return self.epoch * self.steps_per_epoch + self.micro // self.layout.accumulation_steps
+
+    def source_epochs(self, step: int) -> list[int]:
+        """Each source's epoch at global ``step`` (how many times it has run out before it)."""
+        return [c // n for c, n in zip(self.mix.before(step), self.sizes, strict=True)]
+
+    # -- the order ------------------------------------------------------------------------------------------------
+
+    def _slots(self, m: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(source, stream position)`` of each example of this rank's micro-batch ``m``, in its order."""
+        k = self.layout.accumulation_steps
+        step = self.epoch * self.steps_per_epoch + m // k
+        a = (self.rank * k + m % k) * self.layout.batch_size
+        slots = np.random.default_rng([self.seed, step, 2]).permutation(self.layout.global_batch_size)
+        slots = slots[a : a + self.layout.batch_size]
+        counts, before = self.mix.counts(step), self.mix.before(step)
+        ends = np.cumsum(counts)
+        src = np.searchsorted(ends, slots, side="right")
+        return src, np.asarray(before, dtype=np.int64)[src] + slots - (ends - counts)[src]
+
+    def _epoch_windows(self, j: int, epoch: int) -> list[list[int]]:
+        key = (j, epoch)
+        if key not in self._windows:
+            r = self.readers[j]
+            if len(self._windows) > 64:
+                self._windows.clear()
+            windows = epoch_windows(r.shard_ids, seed=r.seed, epoch=epoch, shuffle=r.shuffle, window=r.window)
+            self._windows[key] = windows
+        return self._windows[key]
+
+    def _locate(self, j: int, positions: np.ndarray) -> Iterator[tuple[int, int, list[int], np.ndarray, np.ndarray]]:
+        """``(epoch, window, its shards, which of positions, rows in the window's order)`` of source ``j``'s
+        stream ``positions`` (increasing), window by window."""
+        r, n = self.readers[j], self.sizes[j]
+        epochs = positions // n
+        for e in np.unique(epochs):
+            sel = np.flatnonzero(epochs == e)
+            off = positions[sel] % n
+            windows = self._epoch_windows(j, int(e))
+            bounds = np.cumsum([sum(r._rows[s] for s in w) for w in windows])
+            wis = np.searchsorted(bounds, off, side="right")
+            for wi in np.unique(wis):
+                here = wis == wi
+                start = bounds[wi - 1] if wi else 0
+                perm = window_permutation(
+                    int(bounds[wi] - start), seed=r.seed, epoch=int(e), window_index=int(wi), shuffle=r.shuffle
+                )
+                rows = off[here] - start
+                yield int(e), int(wi), windows[wi], sel[here], perm[rows] if perm is not None else rows
+
+    def _rows_at(self, j: int, positions: np.ndarray) -> pa.Table:
+        """Source ``j``'s examples at stream ``positions`` (increasing), with mixture shard ids and ``source``."""
+        parts = []
+        for e, wi, shards, _, rows in self._locate(j, positions):
+            cached = self._table.get(j)
+            if cached is None or cached[0] != (e, wi):
+                cached = ((e, wi), self.readers[j]._load_window(shards))
+                self._table[j] = cached
+            parts.append(cached[1].take(pa.array(rows)))
+        table = pa.concat_tables(parts) if len(parts) > 1 else parts[0]
+        ref = self.readers[0].columns.reference()[1].names
+        shard = pa.array(table.column("shard").to_numpy() + self.offsets[j])
+        cols = [table.column(c) for c in ref] + [shard, table.column("index"), pa.array(np.full(len(table), j))]
+        return pa.table(cols, names=[*ref, "shard", "index", "source"])
+
+    def micro_batch_shards(self, m: int) -> list[int]:
+        """The mixture shard ids micro-batch ``m`` of this rank's epoch reads (for messages; reads no data)."""
+        src, pos = self._slots(m)
+        out: set[int] = set()
+        for j in np.unique(src):
+            r, p = self.readers[j], np.sort(pos[src == j])
+            for _, _, shards, _, rows in self._locate(int(j), p):
+                sizes = np.cumsum([r._rows[s] for s in shards])
+                ids = np.asarray(shards)[np.searchsorted(sizes, rows, side="right")]
+                out.update((ids + self.offsets[j]).tolist())
+        return sorted(out)
+
+    # -- reading --------------------------------------------------------------------------------------------------
+
+    def _chunk(self, ms: list[int]) -> Iterator[tuple[int, dict[str, Any]]]:
+        """``(m, columns)`` of micro-batches ``ms``: each source's rows gathered and converted once."""
+        plans = [self._slots(m) for m in ms]
+        src = np.concatenate([p[0] for p in plans])
+        pos = np.concatenate([p[1] for p in plans])
+        gather = np.empty(len(src), dtype=np.int64)
+        tables, base = [], 0
+        for j in np.unique(src):
+            mine = np.flatnonzero(src == j)
+            order = np.argsort(pos[mine], kind="stable")
+            tables.append(self._rows_at(int(j), pos[mine][order]))
+            gather[mine[order]] = base + np.arange(len(mine))
+            base += len(mine)
+        table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
+        cols = to_columns(table.take(pa.array(gather)))
+        yield from zip(ms, split_columns(cols, [self.layout.batch_size] * len(ms)), strict=True)
+
+    def iter_numbered(self) -> Iterator[tuple[int, dict[str, Any]]]:
+        """``(micro-batch number, micro-batch)`` of this rank's remaining micro-batches (in a DataLoader worker,
+        that worker's share: micro-batches ``first + wid, first + wid + n, ...``)."""
+        worker = get_worker_info()
+        wid, nworkers = (worker.id, worker.num_workers) if worker is not None else (0, 1)
+        mine = list(range(self.micro + wid, len(self), nworkers))
+        per = max(1, _CHUNK_ROWS // self.layout.batch_size)
+        for i in range(0, len(mine), per):
+            for m, cols in self._chunk(mine[i : i + per]):
+                if self.transform is not None:
+                    where = f"micro-batch {m} of epoch {self.epoch} (shards {torch.unique(cols['shard']).tolist()})"
+                    cols = apply_transform(self.transform, cols, where)
+                yield m, cols
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        for m, mb in self.iter_numbered():
+            self.micro = m + 1
+            yield mb
+
+    # -- state ----------------------------------------------------------------------------------------------------
+
+    def _schedule_text(self) -> list[list[Any]]:
+        return [[s, [str(w) for w in self.mix.weights_at(s)]] for s in self.mix.starts]
+
+    def state_dict(self) -> dict[str, Any]:
+        lay = self.layout
+        return {
+            "mode": "mixture",
+            "epoch": self.epoch,
+            "micro": self.micro,
+            "step": self.micro // lay.accumulation_steps,
+            "seed": self.seed,
+            "global_batch_size": lay.global_batch_size,
+            "batch_size": lay.batch_size,
+            "accumulation_steps": lay.accumulation_steps,
+            "world_size": lay.world_size,
+            "rank": self.rank,
+            "dataset": self.fingerprint,
+            "sources": list(self.names),
+            "schedule": self._schedule_text(),
+            "counts": [dataclasses.asdict(r.counts) for r in self.readers],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume as :meth:`BatchedDataset.load_state_dict` does; the weights of every step already trained must
+        be the saved ones (a schedule may change only from the step the run resumes at)."""
+        if not isinstance(state, dict) or state.get("mode") != "mixture":
+            raise UserError("state is not a mixture's state (a run of one dataset resumed with data.sources?)")
+        for key, mine, why in (
+            ("sources", list(self.names), "other sources"),
+            ("dataset", self.fingerprint, "another dataset or shard selection in a source"),
+            ("seed", self.seed, "another seed gives another order"),
+            ("global_batch_size", self.layout.global_batch_size, "optimizer steps would hold other examples"),
+        ):
+            if state.get(key) != mine:
+                raise UserError(
+                    f"state {key}={brief(state.get(key))} != this mixture's {brief(mine)}: {why}; resume with the same"
+                )
+        epoch, micro = resume_position(state, self.layout, self.steps_per_epoch)
+        done = epoch * self.steps_per_epoch + micro // self.layout.accumulation_steps
+        self._check_past(state.get("schedule"), done)
+        counts = state.get("counts")
+        if not isinstance(counts, list) or len(counts) != len(self.readers):
+            raise UserError(f"state counts={brief(counts)} is not one entry per source: the state was edited")
+        parsed = [PolicyCounts.from_state(c) for c in counts]
+        for r, c in zip(self.readers, parsed, strict=True):
+            r.counts = c
+        self.epoch, self.micro = epoch, micro
+
+    def _check_past(self, saved: Any, done: int) -> None:
+        """A UserError unless the saved schedule gives the same weights as this one to every step before ``done``."""
+        try:
+            theirs = [(int(s), [Fraction(w) for w in ws]) for s, ws in saved]
+            old = MixCounts(theirs[0][1], global_batch_size=self.layout.global_batch_size, schedule=theirs[1:])
+        except (TypeError, ValueError, ZeroDivisionError, IndexError, UserError) as err:
+            raise UserError(
+                f"state schedule={brief(saved)} is not a mixture schedule ({err}): the state was edited"
+            ) from None
+        for s in sorted({0, *old.starts, *self.mix.starts}):
+            if s < done and old.weights_at(s) != self.mix.weights_at(s):
+                was = ", ".join(f"{n}={float(w):g}" for n, w in zip(self.names, old.weights_at(s), strict=True))
+                raise UserError(
+                    f"data.mix_schedule changes the weights of step {s + 1}, already trained ({was}): a resume may "
+                    f"change the mixture only from step {done + 1} on"
+                )
