@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from fractions import Fraction
 from typing import Any
 
 from steadytrain._io import brief
@@ -64,3 +65,26 @@ def check_type(name: str, value: object, kind: type) -> Any:
     if not isinstance(value, kind):
         raise UserError(f"{name}={brief(value)} must be {_KINDS[kind]} ({type(value).__name__} given)")
     return value
+
+
+MAX_WEIGHT_DIGITS = 60
+"""A weight's exact fraction has at most this many digits in numerator and denominator."""
+
+
+def exact_weight(name: str, value: object, *, zero: bool = False) -> Fraction:
+    """``value`` as an exact fraction (a float as written: ``0.1`` is 1/10), or a :class:`UserError` naming ``name``.
+
+    Example:
+        >>> exact_weight("weight", 0.25)
+        Fraction(1, 4)
+    """
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise UserError(f"{name}={value!r} is not a number: give a weight > 0")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise UserError(f"{name}={value!r} is not a finite number: give a weight > 0")
+    frac = Fraction(repr(value)) if isinstance(value, float) else Fraction(value)
+    if frac < 0 or (frac == 0 and not zero):
+        raise UserError(f"{name}={value!r} must be {'>= 0' if zero else '> 0'}")
+    if max(len(str(frac.numerator)), len(str(frac.denominator))) > MAX_WEIGHT_DIGITS:
+        raise UserError(f"{name}={value!r} is too large or too small a weight: give weights within 1e-30 .. 1e30")
+    return frac

@@ -26,29 +26,9 @@ from fractions import Fraction
 from steadytrain._check import check_int
 from steadytrain.errors import UserError
 
-__all__ = ["MixCounts", "exact_weight"]
+__all__ = ["MixCounts"]
 
 _CACHE_EVERY = 1024  # steps between cached cumulative counts (random access costs at most this many steps)
-MAX_WEIGHT_DIGITS = 60  # a weight's exact fraction has at most this many digits in numerator and denominator
-
-
-def exact_weight(name: str, value: object, *, zero: bool = False) -> Fraction:
-    """``value`` as an exact fraction (a float as written: ``0.1`` is 1/10), or a :class:`UserError` naming ``name``.
-
-    Example:
-        >>> exact_weight("weight", 0.25)
-        Fraction(1, 4)
-    """
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise UserError(f"{name}={value!r} is not a number: give a weight > 0")
-    if isinstance(value, float) and not math.isfinite(value):
-        raise UserError(f"{name}={value!r} is not a finite number: give a weight > 0")
-    frac = Fraction(repr(value)) if isinstance(value, float) else Fraction(value)
-    if frac < 0 or (frac == 0 and not zero):
-        raise UserError(f"{name}={value!r} must be {'>= 0' if zero else '> 0'}")
-    if max(len(str(frac.numerator)), len(str(frac.denominator))) > MAX_WEIGHT_DIGITS:
-        raise UserError(f"{name}={value!r} is too large or too small a weight: give weights within 1e-30 .. 1e30")
-    return frac
 
 
 class MixCounts:

@@ -322,6 +322,12 @@ def hunt(
     before = before - 1 if step is None and before is not None else before
     net, settings = _load(loader, run_dir, model, checkpoint, before)
     net.eval()  # deterministic replay: no dropout
+    if settings.mixture is not None:  # a mixture run: the shard's own source, read as the run read it
+        if shard is None:
+            raise UserError(
+                f"a mixture run (data.sources) is hunted by shard: give --shard ID (steadytrain {command} report)"
+            )
+        settings, shard = settings.mixture.source(settings, shard)
     ds = open_dataset(settings.data)
     if shard is not None:
         ds.shard(shard)  # a DatasetError naming the known ids
@@ -364,6 +370,8 @@ def batch_of(step: int, skipped: list[int]) -> int:
 
 def step_batch(settings: ReplaySettings, step: int) -> dict[str, Any]:
     """The global batch optimizer ``step`` (1-based) trained on, rollbacks' skipped batches accounted for."""
+    if settings.mixture is not None:
+        return settings.mixture.batch(batch_of(step, settings.skipped_batches))
     return global_batch(
         settings.data,
         batch_of(step, settings.skipped_batches),

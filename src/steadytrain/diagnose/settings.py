@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from steadytrain.data import Schema
@@ -56,6 +56,10 @@ class ReplaySettings:
     """The run's ``spike.min_ratio``."""
     skipped_batches: list[int] = field(default_factory=list)
     """The global batches spike rollbacks passed over: step ``s`` trained on the ``s``-th of the others."""
+    mixture: Any = None
+    """A mixture run's (``data.sources``) replays: ``mixture.batch(b)`` is global batch ``b`` (0-based) as the run
+    read it, ``mixture.source(shard)`` the settings of the source a mixture shard id is from and its own id there;
+    None: one dataset, read from ``data``."""
 
     @property
     def spike_rule(self) -> dict[str, float]:

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 __all__ = ["MAX_SOURCES", "mixture_plot", "plots_for", "source_loss_plot"]
 
-MAX_SOURCES = 40
+MAX_SOURCES = 20
 """At most this many sources drawn (a legend entry each)."""
 
 
@@ -53,8 +53,10 @@ def _title(rec: RunRecord, what: str, names: list[str]) -> str:
 
 
 def _legend(ax: Any, count: int) -> None:
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small", ncols=1 + count // 20)
+    """The legend below the axes, outside them (a stacked area fills them), in up to 5 columns."""
+    handles, labels = ax.get_legend_handles_labels()
+    if handles:
+        ax.figure.legend(handles, labels, loc="outside lower center", fontsize="small", ncols=max(1, min(count, 5)))
 
 
 def source_loss_plot(rec: RunRecord, path: Path, *, sources: SourceMap) -> Path:

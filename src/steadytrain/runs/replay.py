@@ -34,6 +34,7 @@ from steadytrain.diagnose.settings import ReplaySettings
 from steadytrain.errors import UserError
 from steadytrain.rundir.layout import open_run_dir
 from steadytrain.rundir.schema import read_metrics
+from steadytrain.runs.mixreplay import MixtureReplay
 from steadytrain.train.checkpoint.catalog import latest_checkpoint, load_checkpoint
 from steadytrain.train.setup.config import TrainConfig, load_config
 from steadytrain.train.setup.holdout import holdout
@@ -169,8 +170,10 @@ def run_model(
     gbs = plan.get("global_batch_size", cfg.batch.global_batch_size)
     settings = ReplaySettings(
         data=path,
-        shards=sorted(set(open_dataset(path).shard_ids) - held_out) if held_out else None,
-        rows=holdout(cfg, path, gbs).training_rows if cfg.eval.holdout_fraction is not None else None,
+        shards=sorted(set(open_dataset(path).shard_ids) - held_out) if held_out and not cfg.data.sources else None,
+        rows=holdout(cfg, path, gbs).training_rows
+        if cfg.eval.holdout_fraction is not None and not cfg.data.sources
+        else None,
         schema=load_schema(cfg),
         policy=cfg.data.policy,
         transform=load_transform(cfg.data.transform),
@@ -184,5 +187,6 @@ def run_model(
         spike_threshold=cfg.spike.threshold,
         spike_min_ratio=cfg.spike.min_ratio,
         skipped_batches=sorted({b for r in rollbacks for b in r["skipped_batches"]}),
+        mixture=MixtureReplay(cfg, gbs) if cfg.data.sources else None,
     )
     return model, settings

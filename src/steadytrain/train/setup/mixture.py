@@ -101,8 +101,10 @@ def _same_tokens(names: list[str], paths: list[Path]) -> None:
                 )
 
 
-def build_mixture(cfg: TrainConfig, mix: Mixture, info: DistInfo, accumulation_steps: int) -> MixedDataset:
-    """This rank's view of the mixture's global order."""
+def build_mixture(
+    cfg: TrainConfig, mix: Mixture, info: DistInfo, accumulation_steps: int, *, batch_size: int | None = None
+) -> MixedDataset:
+    """This rank's view of the mixture's global order (``batch_size``: the micro-batch, default the config's)."""
     schema = load_schema(cfg)
     readers = []
     for j, (name, path, held) in enumerate(zip(mix.names, mix.paths, mix.held, strict=True)):
@@ -117,7 +119,7 @@ def build_mixture(cfg: TrainConfig, mix: Mixture, info: DistInfo, accumulation_s
             raise UserError(f"data.sources {name}: {err}") from None
     first, later = _weights(cfg)
     return MixedDataset(
-        mix.names, readers, mix.offsets, first, schedule=later, batch_size=cfg.batch.micro_batch_size,
+        mix.names, readers, mix.offsets, first, schedule=later, batch_size=batch_size or cfg.batch.micro_batch_size,
         accumulation_steps=accumulation_steps, rank=info.dp_rank, world_size=info.dp_size, seed=cfg.run.seed,
         transform=load_transform(cfg.data.transform),
     )  # fmt: skip

@@ -311,7 +311,7 @@ class ProfileConfig(Section):
 
 def check_mixture(sources: list[SourceConfig] | None, schedule: list[MixStepConfig] | None, path: str | None) -> None:
     """A ValueError naming what is wrong with ``data.sources`` and ``data.mix_schedule`` (names, weights, steps)."""
-    from steadytrain.data.mixing import exact_weight
+    from steadytrain._check import exact_weight
 
     if schedule is not None and sources is None:
         raise ValueError("data.mix_schedule needs data.sources: give the sources it weights")

@@ -1,0 +1,218 @@
+"""Mixtures: exact per-step counts, one global order at any world size, per-source epochs, schedules, resume.
+
+Oracles: a seat-by-seat allocation with exact fractions written here (the rule in another form), closed forms
+(3:1 of 8 is 6 and 2; equal weights over 3 steps of 8 give 8 each), and the single-rank order the other layouts
+must reproduce; example identity is ``(shard, index)`` of rows whose values name them."""
+
+from __future__ import annotations
+
+import collections
+import random
+from fractions import Fraction as F
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from steadytrain._check import exact_weight
+from steadytrain.data import BatchedDataset, DatasetError, DatasetWriter
+from steadytrain.data.mixing import MixCounts
+from steadytrain.data.mixture import MixedDataset, source_seed
+from steadytrain.errors import UserError
+
+SEED = 3
+
+
+def _write(path, sizes, base, extra=None):
+    with DatasetWriter(path, provenance={"pipeline_version": "1"}) as w:
+        for s, n in enumerate(sizes):
+            cols = {"x": np.arange(n, dtype=np.int64) + base + 1000 * s}
+            if extra:
+                cols[extra] = np.zeros(n)
+            w.write_shard(pa.table(cols))
+    return path
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    """``big``: 5 shards (60 rows); ``small``: 2 shards of 5 rows (10: it runs out every 5 steps at 2 a step)."""
+    root = tmp_path_factory.mktemp("mix")
+    return _write(root / "big", [12, 9, 15, 11, 13], 0), _write(root / "small", [5, 5], 100_000)
+
+
+def mixed(paths, weights, *, W=1, K=1, B=8, rank=0, schedule=(), window=2):
+    readers = [
+        BatchedDataset(p, batch_size=1, seed=source_seed(SEED, j), shuffle_window=window) for j, p in enumerate(paths)
+    ]
+    offsets = [0, 5][: len(paths)]
+    ws = [F(w) for w in weights]
+    return MixedDataset(
+        ["big", "small"][: len(paths)], readers, offsets, ws, schedule=schedule, batch_size=B, accumulation_steps=K,
+        rank=rank, world_size=W, seed=SEED,
+    )  # fmt: skip
+
+
+def flat(lists):
+    return [e for part in lists for e in part]
+
+
+def triples(mb):
+    return list(zip(mb["source"].tolist(), mb["shard"].tolist(), mb["x"].tolist(), strict=True))
+
+
+def steps(ds, n_steps):
+    """The examples ``(source, shard, x)`` of each step this rank reads, in order, over ``n_steps`` steps."""
+    k, out = ds.layout.accumulation_steps, collections.defaultdict(list)
+    epoch = ds.epoch
+    while sum(1 for _ in out) < n_steps:
+        for m, mb in ds.iter_numbered():
+            step = epoch * ds.steps_per_epoch + m // k
+            if step >= n_steps:
+                return out
+            out[step] += triples(mb)
+        epoch += 1
+        ds.set_epoch(epoch)
+    return out
+
+
+def greedy_counts(weights, g, n_steps, seed):
+    """The rule seat by seat with exact fractions: each of a step's ``g`` examples to the source with the largest
+    quota left (ties: the source order rotated by ``seed + step``), quotas carried over from step to step."""
+    n, total = len(weights), sum(weights)
+    carried, out = [F(0)] * n, []
+    for s in range(n_steps):
+        left = [F(g) * w / total + c for w, c in zip(weights, carried, strict=True)]
+        counts = [0] * n
+        for _ in range(g):
+            j = max(range(n), key=lambda j: (left[j], -((j - seed - s) % n)))
+            counts[j] += 1
+            left[j] -= 1
+        carried = left
+        out.append(counts)
+    return out
+
+
+def test_counts_closed_forms():
+    assert [MixCounts([F(3), F(1)], global_batch_size=8).counts(s) for s in range(5)] == [[6, 2]] * 5
+    mc = MixCounts([F(1)] * 3, global_batch_size=8, seed=5)
+    for s in range(0, 30, 3):
+        assert [sum(c) for c in zip(*(mc.counts(s + i) for i in range(3)), strict=True)] == [8, 8, 8]
+    assert MixCounts([F(1), F(1)], global_batch_size=7).before(1000) == [3500, 3500]
+
+
+@pytest.mark.parametrize("trial", range(12))
+def test_counts_equal_the_seat_by_seat_rule(trial):
+    rng = random.Random(trial)
+    n, g = rng.randint(2, 5), rng.randint(1, 40)
+    weights = [exact_weight("w", rng.choice([1, 2, 3, 0.5, 0.25, 7, 100, 0.001])) for _ in range(n)]
+    mc = MixCounts(weights, global_batch_size=g, seed=trial)
+    expected = greedy_counts(weights, g, 200, trial)
+    assert [mc.counts(s) for s in range(200)] == expected
+    total = [0] * n
+    for s in range(200):
+        total = [a + b for a, b in zip(total, expected[s], strict=True)]
+        ideal = [F(g * (s + 1)) * w / sum(weights) for w in weights]
+        bound = 1 if all(F(g) * w / sum(weights) >= 1 for w in weights) else 2
+        assert all(abs(t - i) < bound for t, i in zip(total, ideal, strict=True)), (s, total, ideal)
+    assert mc.before(200) == total and mc.before(37) == [sum(c) for c in zip(*expected[:37], strict=True)]
+
+
+def test_schedule_takes_effect_at_its_step_and_carries_on():
+    mc = MixCounts([F(3), F(1)], global_batch_size=8, schedule=[(4, [F(1), F(1)]), (6, [F(0), F(1)])])
+    assert [mc.counts(s) for s in range(8)] == [[6, 2]] * 4 + [[4, 4]] * 2 + [[0, 8]] * 2
+    assert mc.before(8) == [32, 32]
+    with pytest.raises(UserError, match="must increase"):
+        MixCounts([F(1), F(1)], global_batch_size=8, schedule=[(4, [F(1), F(1)]), (4, [F(1), F(2)])])
+    with pytest.raises(UserError, match="one of them > 0"):
+        MixCounts([F(1), F(1)], global_batch_size=8, schedule=[(4, [F(0), F(0)])])
+
+
+def test_3_to_1_every_step_holds_6_and_2(sources):
+    per_step = steps(mixed(sources, [3, 1]), 20)
+    for s in range(20):
+        assert collections.Counter(src for src, _, _ in per_step[s]) == {0: 6, 1: 2}, s
+        # the examples say where they are from: big's values < 100000 (shards 0-4), small's >= (shards 5, 6)
+        assert all((x >= 100_000) == (src == 1) and (shard >= 5) == (src == 1) for src, shard, x in per_step[s])
+
+
+@pytest.mark.parametrize(("W", "K", "B"), [(2, 2, 2), (4, 1, 2), (2, 1, 4)])
+def test_any_world_size_reads_the_same_steps(sources, W, K, B):
+    one = steps(mixed(sources, [3, 1], B=8), 16)
+    ranks = [steps(mixed(sources, [3, 1], W=W, K=K, B=B, rank=r), 16) for r in range(W)]
+    for s in range(16):
+        assert [e for r in ranks for e in r[s]] == one[s], s  # rank 0's micro-batches first, each in order
+
+
+def test_a_small_source_restarts_its_epoch(sources):
+    ds = mixed(sources, [3, 1])
+    per_step = steps(ds, 15)
+    small = [[x for src, _, x in per_step[s] if src == 1] for s in range(15)]
+    rows = sorted(100_000 + 1000 * s + i for s in range(2) for i in range(5))
+    epochs = [sorted(flat(small[e * 5 : e * 5 + 5])) for e in range(3)]
+    assert epochs == [rows] * 3  # every example once per epoch of its own
+    assert flat(small[:5]) != flat(small[5:10])  # a new order each epoch
+    assert ds.source_epochs(15) == [1, 3]  # big: 90 examples of 60 (its epoch 1); small: 30 of 10 (its epoch 3)
+
+
+def test_resume_continues_bit_for_bit_on_any_layout(sources):
+    straight = steps(mixed(sources, [3, 1], K=2, B=4), 12)
+    first = mixed(sources, [3, 1], K=2, B=4)
+    it = iter(first)
+    for _ in range(2 * 7 + 1):  # seven steps and a micro-batch into the eighth
+        next(it)
+    state = first.state_dict()
+    again = mixed(sources, [3, 1], K=2, B=4)
+    again.load_state_dict(state)
+    assert again.micro == 15
+    rest = [triples(mb) for mb in again]
+    assert again.steps_per_epoch == 10  # 60 examples of big at 6 a step: the epoch ends after step 9 (0-based)
+    assert rest[0] == straight[7][4:] and flat(rest[1:]) == straight[8] + straight[9]
+    at_boundary = {**state, "micro": 14, "step": 7}
+    two = [mixed(sources, [3, 1], W=2, K=1, B=4, rank=r) for r in range(2)]
+    for d in two:
+        d.load_state_dict(at_boundary)
+    mbs = [next(iter(d)) for d in two]
+    assert flat(triples(mb) for mb in mbs) == straight[7]
+
+
+def test_a_resume_may_change_the_schedule_only_ahead(sources):
+    ds = mixed(sources, [3, 1], schedule=[(10, [F(1), F(1)])])
+    it = iter(ds)
+    for _ in range(6):
+        next(it)
+    state = ds.state_dict()
+    later = mixed(sources, [3, 1], schedule=[(6, [F(1), F(3)])])  # from step 7: not trained yet
+    later.load_state_dict(state)
+    assert later.mix.counts(6) == [2, 6] and later.mix.before(6) == [36, 12]
+    with pytest.raises(UserError, match=r"weights of step 5, already trained .*from step 7 on"):
+        mixed(sources, [3, 1], schedule=[(4, [F(1), F(1)])]).load_state_dict(state)
+    with pytest.raises(UserError, match="already trained"):
+        mixed(sources, [1, 1]).load_state_dict(state)
+
+
+def test_state_of_another_mixture_is_refused(sources):
+    state = mixed(sources, [3, 1]).state_dict()
+    with pytest.raises(UserError, match="sources"):
+        mixed(sources[:1], [1]).load_state_dict(state)
+    with pytest.raises(UserError, match="not a mixture's state"):
+        mixed(sources, [3, 1]).load_state_dict({**state, "mode": "batched"})
+    with pytest.raises(UserError, match="one entry per source"):
+        mixed(sources, [3, 1]).load_state_dict({**state, "counts": []})
+
+
+def test_sources_with_other_columns_are_refused(tmp_path, sources):
+    other = _write(tmp_path / "other", [10], 0, extra="label")
+    with pytest.raises(DatasetError, match=r"source 'small' .* does not have the columns of source 'big'.*label"):
+        mixed([sources[0], other], [1, 1])
+
+
+def test_a_source_smaller_than_its_share_of_a_step_is_refused(sources):
+    with pytest.raises(UserError, match=r"source 'small' has 10 examples but its share .* up to 16"):
+        mixed(sources, [1, 1], B=32)
+
+
+def test_micro_batch_shards_names_mixture_ids(sources):
+    ds = mixed(sources, [3, 1], K=2, B=4)
+    mbs = list(zip(range(6), ds, strict=False))
+    for m, mb in mbs:
+        assert ds.micro_batch_shards(m) == sorted(set(mb["shard"].tolist()))
