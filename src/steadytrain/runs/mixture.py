@@ -78,23 +78,24 @@ def load_mixture(rec: RunRecord) -> SourceMap | None:
 
 def _number(row: dict[str, Any], key: str, minimum: float | None = None) -> float | None:
     value = row.get(key)
-    return None if value is None else check_finite(key, value, minimum=minimum)
+    return None if value is None else check_finite(key if len(key) <= 80 else brief(key), value, minimum=minimum)
 
 
-def _weights(name: str, weights: list[Any]) -> list[float]:
-    out = [check_finite(f"{name}[{i}]", w, minimum=0.0) for i, w in enumerate(weights)]
-    if out and not sum(out) > 0:
-        raise UserError(f"{name} are all 0: one source needs a weight > 0")
-    return out
+def _weights(name: str, weights: dict[str, Any], names: list[str]) -> None:
+    """Each weight a finite number >= 0, and one of a source in ``names`` above 0 (they are normalised)."""
+    for key, w in weights.items():
+        check_finite(f"{name}.{brief(key)}", w, minimum=0.0)
+    if not sum(float(weights.get(n, 0.0)) for n in names) > 0:
+        raise UserError(f"{name} are all 0 or name no source: one source needs a weight > 0")
 
 
 def _check_sources(sources: SourceMap) -> None:
-    _weights("the sources' weights", [s.weight for s in sources.spans])
+    names = sources.names
+    _weights("the sources' weights", {s.name: s.weight for s in sources.spans}, names)
     for i, entry in enumerate(sources.schedule):
         check_type(f"schedule[{i}]", entry, dict)
         check_int(f"schedule[{i}].step", entry.get("step"), 1, maximum=MAX_COUNT)
-        weights = check_type(f"schedule[{i}].weights", entry.get("weights"), dict)
-        _weights(f"schedule[{i}].weights", list(weights.values()))
+        _weights(f"schedule[{i}].weights", check_type(f"schedule[{i}].weights", entry.get("weights"), dict), names)
     for name, seen in sources.exposure.items():
         where = f"exposure.{brief(name)}"
         check_type(where, seen, dict)

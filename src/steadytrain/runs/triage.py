@@ -19,8 +19,9 @@ example of the batch is a suspect there is nothing to replay without them: ``sta
 on the batch, else ``undecided`` (the replay cannot tell the data from the state).
 
 The replay must be of the step the ledger recorded: a step past the run's last, one refused for its item count
-(not for non-finite values), data that changed since the run (``data.json``'s fingerprint) or a rebuilt batch that
-lacks examples the ledger saw in play at step ``S`` (a batch size or seed changed since) is an error, not a verdict.
+(not for non-finite values), data that changed since the run (``data.json``'s fingerprint; a mixture's: each
+source's in ``sources.json``) or a rebuilt batch that lacks examples the ledger saw in play at step ``S`` (a batch
+size or seed changed since) is an error, not a verdict.
 
 A mixture run (``sources.json``) names the source of the shards the suspects are from: ``suspects`` in the JSON
 (``{shard, source, source_shard}``, ``shard`` the mixture's id) and, for a ``data`` verdict, the note.
@@ -165,14 +166,13 @@ def _within_run(run: RunDir, step: int) -> None:
 
 def _same_batch(run_dir: Path, data: Path, step: int, events: list, pairs: list[tuple[int, int]]) -> None:
     """The replay is of the examples the ledger recorded at ``step``: the same data, and every example in play."""
-    info = load_json(run_dir / "data.json", what="data description") if (run_dir / "data.json").is_file() else {}
-    recorded = info.get("fingerprint") if isinstance(info, dict) else None
-    now = open_dataset(data).fingerprint()
-    if recorded is not None and recorded != now:
-        raise UserError(
-            f"{data}: the data changed since the run trained on it (fingerprint {brief(recorded)} in data.json, "
-            f"{now} now): a replay would not be of step {step}'s examples; triage against the data the run read"
-        )
+    for path, recorded, where in _fingerprints(run_dir, data):
+        now = open_dataset(path).fingerprint()
+        if recorded is not None and recorded != now:
+            raise UserError(
+                f"{path}: the data changed since the run trained on it (fingerprint {brief(recorded)} in {where}, "
+                f"{now} now): a replay would not be of step {step}'s examples; triage against the data the run read"
+            )
     rebuilt = Counter(pairs)
     missing = Counter((s, i) for e in events for t in e.tags for s, i in zip(t["shard"], t["index"], strict=True))
     missing -= rebuilt
@@ -182,6 +182,16 @@ def _same_batch(run_dir: Path, data: Path, step: int, events: list, pairs: list[
             f"{brief(sorted(missing))}): the run's batch size, seed or data order changed since (a resume?); the "
             "replay would not be of that step"
         )
+
+
+def _fingerprints(run_dir: Path, data: Path) -> list[tuple[Path, str | None, str]]:
+    """``(dataset, fingerprint the run recorded or None, where)`` of each dataset the run read: ``data``
+    (``data.json``), or every source of a mixture (``sources.json``)."""
+    sources = run_sources(run_dir)
+    if sources is not None:
+        return [(Path(s.path), s.fingerprint or None, f"sources.json (source '{s.name}')") for s in sources.spans]
+    info = load_json(run_dir / "data.json", what="data description") if (run_dir / "data.json").is_file() else {}
+    return [(data, info.get("fingerprint") if isinstance(info, dict) else None, "data.json")]
 
 
 def _earlier(run_dir: Path, checkpoint_step: int | None, batch: dict[str, Any]) -> tuple | None:

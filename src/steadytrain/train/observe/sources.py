@@ -1,9 +1,10 @@
 """A mixture run's training loss and realized mixture per source, per logging interval.
 
 Every micro-batch adds its per-example losses (the ones the model already returns: no extra forward) to one
-sum per source, on the device, and its examples to one count per source, on the host. At the end of a logging
-interval the sums and counts of every rank are all-reduced in the metrics' flush (one collective, one host
-read) and the interval's last ``metrics.jsonl`` row gets, per source ``<name>``:
+sum per source, on the device, and its examples to one count per source, on the host. When the metrics are
+written (every ``run.log_every`` steps, and before each evaluation: an *interval*), the sums and counts of every
+rank are all-reduced with them (one collective, one host read) and the interval's last ``metrics.jsonl`` row gets,
+per source ``<name>``:
 
 - ``loss/<name>``: the mean per-example loss of that source's examples in the interval (null when it had
   none, when the model returns a scalar loss, or when the mean is not finite);

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
 
+from steadytrain._check import exact_weight
 from steadytrain.data import BatchedDataset, EvalSet, open_dataset
 from steadytrain.data.evalset import MixedEvalSet
-from steadytrain.data.mixing import exact_weight
 from steadytrain.data.mixture import MixedDataset, source_seed
 from steadytrain.data.sourcemap import SourceMap, SourceSpan
 from steadytrain.errors import UserError
