@@ -216,3 +216,12 @@ def test_micro_batch_shards_names_mixture_ids(sources):
     mbs = list(zip(range(6), ds, strict=False))
     for m, mb in mbs:
         assert ds.micro_batch_shards(m) == sorted(set(mb["shard"].tolist()))
+
+
+def test_background_workers_hand_over_the_in_process_order(sources):
+    from steadytrain.data import MicroBatchLoader
+
+    alone = [triples(mb) for mb in mixed(sources, [3, 1], K=2, B=2)]
+    ds = mixed(sources, [3, 1], K=2, B=2)
+    assert [triples(mb) for mb in MicroBatchLoader(ds, num_workers=2, prefetch=4)] == alone
+    assert ds.micro == len(ds)  # the position advanced as they were handed over

@@ -182,3 +182,14 @@ def test_an_interval_of_several_micro_batches_and_ranks_averages_per_example():
     assert got["loss/a"] == (1 + 4 + 8 + 16) / 4 and got["loss/b"] == (2 + 3 + 5) / 3 and got["loss/c"] is None
     assert (got["mix/a"], got["mix/b"], got["mix/c"]) == (round(5 / 9, 6), round(4 / 9, 6), 0.0)
     assert acc.take()["mix/a"] is None  # a fresh interval
+
+
+def test_eval_of_a_mixture_run_is_its_last_evaluation_per_source(mix):
+    from steadytrain.runs.evaluate import evaluate_run
+
+    got = evaluate_run(mix["straight"])
+    last = evals(mix["straight"])[-1]
+    assert got["step"] == last["step"] == STEPS
+    for key in ("val_loss", "val_loss/web", "val_loss/code"):
+        assert got[key] == pytest.approx(last[key], rel=1e-6), key
+    assert (got["val_items/web"], got["val_items/code"]) == (30, 5)

@@ -25,6 +25,7 @@ from steadytrain.train.setup.config import TrainConfig, load_config
 from steadytrain.train.setup.distributed import DistInfo, init_distributed, teardown, wrap_model
 from steadytrain.train.setup.holdout import HeldOut, holdout
 from steadytrain.train.setup.mesh import join_mesh
+from steadytrain.train.setup.mixture import training_data, validation_data
 from steadytrain.train.setup.models import build_model
 from steadytrain.train.setup.pieces import (
     build_dataset,
@@ -53,6 +54,8 @@ def _held_out(run: RunDir, held: HeldOut) -> list[int] | None:
 
 def _evalset(cfg: TrainConfig, run: RunDir, info: DistInfo, data: Path | None) -> Any:
     """The validation set the run used (its held-out shards or records, or ``eval.data``), or ``data`` in its place."""
+    if cfg.data.sources is not None:
+        return _mixture_evalset(cfg, info, data)
     path = data_path(cfg)
     layout = resolve_plan(cfg, info.dp_size, None)
     held = holdout(cfg, path, layout.global_batch_size)  # the run's own draw
@@ -66,6 +69,19 @@ def _evalset(cfg: TrainConfig, run: RunDir, info: DistInfo, data: Path | None) -
         why = held.note.removeprefix("validation: none: ") if held.note else "no eval section"
         raise UserError(f"the run has no validation set ({why}): give one with --data PATH")
     return build_evalset(cfg, path, shards, info, training, rows=rows)
+
+
+def _mixture_evalset(cfg: TrainConfig, info: DistInfo, data: Path | None) -> Any:
+    """A mixture run's validation set: what each source holds out (per source), or ``data`` in its place."""
+    layout = resolve_plan(cfg, info.dp_size, None)
+    training, held, mix = training_data(cfg, info, layout.global_batch_size, layout.accumulation_steps)
+    if data is not None:
+        none = {"data": str(data), "holdout_shards": None, "holdout_fraction": None}
+        cfg = cfg.model_copy(update={"eval": cfg.eval.model_copy(update=none)})
+    found = validation_data(cfg, info, training, held, mix)
+    if found is None:
+        raise UserError("the run has no validation set (no source holds data out): give one with --data PATH")
+    return found
 
 
 def _on_these_ranks(cfg: TrainConfig, world_size: int) -> TrainConfig:
