@@ -193,3 +193,19 @@ def test_eval_of_a_mixture_run_is_its_last_evaluation_per_source(mix):
     for key in ("val_loss", "val_loss/web", "val_loss/code"):
         assert got[key] == pytest.approx(last[key], rel=1e-6), key
     assert (got["val_items/web"], got["val_items/code"]) == (30, 5)
+
+
+def test_a_mixture_shard_is_hunted_in_its_own_source_and_a_step_is_refused(mix):
+    from steadytrain.diagnose.hunt import hunt
+    from steadytrain.errors import UserError
+
+    sources = json.loads((mix["straight"] / "sources.json").read_text())["sources"]
+    code = next(s for s in sources if s["name"] == "code")
+    trained = int(
+        next(k for k in json.loads((mix["straight"] / "sources.json").read_text())["exposure"]["code"]["shards"])
+    )
+    found = hunt(mix["straight"], code["offset"] + trained, loader=run_model)
+    assert found.shard == code["offset"] + trained and found.examples_checked == 5  # the shard's 5 rows, in `code`
+    assert f"source 'code''s shard {trained}" in found.note and found.examples == [] and found.bad == []
+    with pytest.raises(UserError, match="hunted by shard, not by step"):
+        hunt(mix["straight"], None, loader=run_model, step=2)

@@ -40,6 +40,7 @@ from steadytrain.data import (
 )
 from steadytrain.diagnose._hooks import Probe
 from steadytrain.diagnose.ledger import LEDGER, SPIKES, check_shard_read, dataset_bounds, read_ledger
+from steadytrain.diagnose.mixture import in_mixture
 from steadytrain.diagnose.outliers import REFERENCE_SHARDS, example_losses, loss_outliers
 from steadytrain.diagnose.settings import ReplaySettings
 from steadytrain.errors import UserError
@@ -322,12 +323,19 @@ def hunt(
     before = before - 1 if step is None and before is not None else before
     net, settings = _load(loader, run_dir, model, checkpoint, before)
     net.eval()  # deterministic replay: no dropout
-    if settings.mixture is not None:  # a mixture run: the shard's own source, read as the run read it
-        if shard is None:
+    asked, source = shard, None
+    if settings.mixture is not None:  # a mixture run: the shard in its own source, read as the run read it
+        if shard is None or step is not None:
             raise UserError(
-                f"a mixture run (data.sources) is hunted by shard: give --shard ID (steadytrain {command} report)"
+                f"a mixture run (data.sources) is hunted by shard, not by step (a step mixes sources): give --shard "
+                f"ID alone (steadytrain {command} report names them; steadytrain triage replays a step)"
             )
-        settings, shard = settings.mixture.source(settings, shard)
+        settings, shard, source = settings.mixture.source(settings, shard)
+    report = _hunt_in(net, settings, kind, shard, step, chunk, bisect_only)
+    return in_mixture(report, asked, shard, source) if source is not None else report
+
+
+def _hunt_in(net, settings: ReplaySettings, kind: str, shard, step, chunk, bisect_only: bool) -> HuntReport:
     ds = open_dataset(settings.data)
     if shard is not None:
         ds.shard(shard)  # a DatasetError naming the known ids

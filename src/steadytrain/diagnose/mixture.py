@@ -17,7 +17,7 @@ from steadytrain.errors import UserError
 if TYPE_CHECKING:
     from steadytrain.data.sourcemap import SourceMap
 
-__all__ = ["SOURCES_FILE", "mixture_bounds", "run_sources", "shard_name", "source_keys", "sources_phrase"]
+__all__ = ["SOURCES_FILE", "in_mixture", "mixture_bounds", "run_sources", "shard_name", "source_keys", "sources_phrase"]
 
 SOURCES_FILE = "sources.json"
 """:data:`steadytrain.data.sourcemap.SOURCES_FILE`, named here too: importing the data package imports torch, which
@@ -100,3 +100,14 @@ def mixture_bounds(sources: SourceMap) -> dict[int, int] | None:
                 return None
             out[span.offset + shard.id] = shard.records
     return out
+
+
+def in_mixture(report: Any, shard: int, own: int, source: str) -> Any:
+    """A hunt's ``report`` of mixture shard ``shard`` (its own shard ``own`` of source ``source``, where it was
+    replayed) told in the mixture's ids, with a note naming the source."""
+    offset = shard - own
+    report.shard = shard
+    report.bad = [[s + offset, i] for s, i in report.bad]
+    where = f"shard {shard} is source {source!r}'s shard {own}"
+    report.note = f"{report.note}; {where}" if report.note else where
+    return report

@@ -58,7 +58,8 @@ class ReplaySettings:
     """The global batches spike rollbacks passed over: step ``s`` trained on the ``s``-th of the others."""
     mixture: Any = None
     """A mixture run's (``data.sources``) replays: ``mixture.batch(b)`` is global batch ``b`` (0-based) as the run
-    read it, ``mixture.source(shard)`` the settings of the source a mixture shard id is from and its own id there;
+    read it, ``mixture.source(settings, shard)`` the settings of the source a mixture shard id is from, its own id
+    there and the source's name;
     None: one dataset, read from ``data``."""
 
     @property

@@ -40,8 +40,8 @@ class MixtureReplay:
         self._ds.seek(b)
         return next(iter(self._ds))
 
-    def source(self, base: ReplaySettings, shard: int) -> tuple[ReplaySettings, int]:
-        """``base`` for the source mixture shard ``shard`` is from, and the shard's own id in it."""
+    def source(self, base: ReplaySettings, shard: int) -> tuple[ReplaySettings, int, str]:
+        """``base`` for the source mixture shard ``shard`` is from, the shard's own id in it, the source's name."""
         mix = self.mix
         for j, (offset, ids) in enumerate(zip(mix.offsets, mix.ids, strict=True)):
             if offset <= shard < offset + ids:
@@ -51,7 +51,7 @@ class MixtureReplay:
                     base, data=path, shards=shards, rows=held.training_rows, mixture=None,
                     seed=source_seed(self.cfg.run.seed, j),
                 )  # fmt: skip
-                return found, shard - offset
+                return found, shard - offset, mix.names[j]
         raise UserError(
             f"shard {shard}: no source of this mixture has it (ids 0 to {mix.offsets[-1] + mix.ids[-1] - 1})"
         )
