@@ -209,3 +209,13 @@ def test_a_mixture_shard_is_hunted_in_its_own_source_and_a_step_is_refused(mix):
     assert f"source 'code''s shard {trained}" in found.note and found.examples == [] and found.bad == []
     with pytest.raises(UserError, match="hunted by shard, not by step"):
         hunt(mix["straight"], None, loader=run_model, step=2)
+
+
+def test_repro_finds_a_mixtures_data_unchanged(mix):
+    from steadytrain.runs.record import load_run
+    from steadytrain.runs.repro import _check_data
+    from steadytrain.train.setup.config import load_config
+
+    rec, notes = load_run(mix["straight"]), []
+    _check_data(rec, load_config(mix["straight"] / "config.yaml"), notes)
+    assert notes == [] and rec.data["fingerprint"].startswith("mix(web=")

@@ -82,11 +82,14 @@ def _config(rec: RunRecord, notes: list[str]) -> Any:
 
 
 def _check_data(rec: RunRecord, cfg: Any, notes: list[str]) -> None:
-    from steadytrain.train.job.files import describe_data
+    from steadytrain.train.job.files import describe_data, mixture_fingerprint
     from steadytrain.train.setup.pieces import data_path
 
     recorded = (rec.data or {}).get("fingerprint")
-    now = describe_data(data_path(cfg))["fingerprint"]
+    if cfg.data.sources is not None:  # a mixture: its sources' fingerprints, as data.json records them
+        now = mixture_fingerprint([(s.name, describe_data(Path(s.path))["fingerprint"]) for s in cfg.data.sources])
+    else:
+        now = describe_data(data_path(cfg))["fingerprint"]
     if recorded is not None and recorded != now:
         notes.append(f"the data changed since the run: fingerprint {recorded} recorded, {now} now")
 

@@ -150,6 +150,11 @@ def describe_data(
     }
 
 
+def mixture_fingerprint(parts: list[tuple[str, str]]) -> str:
+    """A mixture's data fingerprint (``data.json``): its sources' names and dataset fingerprints, in order."""
+    return "mix(" + ";".join(f"{name}={fp}" for name, fp in parts) + ")"
+
+
 def describe_mixture(sources: SourceMap, validation: str | None = None) -> dict[str, Any]:
     """``data.json`` of a mixture run: each source described as one dataset is (with its name and first shard id),
     and the mixture's fingerprint (its sources' names and fingerprints)."""
@@ -157,7 +162,7 @@ def describe_mixture(sources: SourceMap, validation: str | None = None) -> dict[
     extra = {"validation": describe_data(Path(validation))} if validation is not None else {}
     return extra | {
         "path": None,
-        "fingerprint": "mix(" + ";".join(f"{p['name']}={p['fingerprint']}" for p in parts) + ")",
+        "fingerprint": mixture_fingerprint([(p["name"], p["fingerprint"]) for p in parts]),
         "shards": sum(p["shards"] for p in parts),
         "records": sum(p["records"] for p in parts),
         "sources": parts,
