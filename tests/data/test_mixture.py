@@ -207,7 +207,7 @@ def test_sources_with_other_columns_are_refused(tmp_path, sources):
 
 
 def test_a_source_smaller_than_its_share_of_a_step_is_refused(sources):
-    with pytest.raises(UserError, match=r"source 'small' has 10 examples but its share .* up to 16"):
+    with pytest.raises(UserError, match=r"source 'small' has 10 examples but a global batch may take up to 17"):
         mixed(sources, [1, 1], B=32)
 
 

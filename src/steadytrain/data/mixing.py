@@ -14,8 +14,14 @@ its examples every few steps, within two), and over any window of steps the coun
 closely as integers allow, within two examples. The weights are exact fractions (``0.1`` is 1/10) and every
 quota is an integer in units of ``1/D``: no rounding drifts, on any machine, over any number of steps.
 
-Weights may change at given steps (``schedule``): piecewise constant, the carried share continues across the
-change. Counts depend on the step and the weights up to it, never on the world size or on where a run resumed.
+Weights may change at given steps (``schedule``): piecewise constant; at each change the carried share starts
+afresh (``d = 0``), so a source weighted 0 from there gets no example, and the bound above holds again from that
+step. Counts depend on the step and the weights up to it, never on the world size or on where a run resumed.
+
+With each source's epoch size (``sizes``), :meth:`MixCounts.block` also says where in its stream a step's examples
+of each source are: a step never takes a source's examples across the end of one of its epochs (the few left that
+its count does not fit are passed over, as a single-source epoch drops its remainder), so a step never holds the
+same example twice.
 """
 
 from __future__ import annotations
@@ -38,7 +44,9 @@ class MixCounts:
         weights: the weights from step 0 on (exact fractions, at least one > 0).
         global_batch_size: ``G``, examples per optimizer step.
         seed: rotates the order in which equal remainders get the step's last examples.
-        schedule: ``(step, weights)`` pairs, steps 0-based and increasing: those weights from that step on.
+        schedule: ``(step, weights)`` pairs, steps 0-based and increasing: those weights from that step on (the
+            share carried over starts afresh there).
+        sizes: each source's examples per epoch: a step's examples of a source then lie within one of its epochs.
 
     Example:
         >>> mc = MixCounts([Fraction(3), Fraction(1)], global_batch_size=8)
@@ -53,6 +61,7 @@ class MixCounts:
         global_batch_size: int,
         seed: int = 0,
         schedule: list[tuple[int, list[Fraction]]] = (),
+        sizes: list[int] | None = None,
     ) -> None:
         self.g = check_int("global_batch_size", global_batch_size)
         self.seed = seed
@@ -71,8 +80,11 @@ class MixCounts:
             ints.append([int(x * den) for x in w])
         self.d = math.lcm(*(sum(a) for a in ints))
         self.quota = [[self.g * a * (self.d // sum(ints_)) for a in ints_] for ints_ in ints]
-        self._cache: list[tuple[list[int], list[int]]] = [([0] * self.n, [0] * self.n)]  # (C, carried) per 1024
-        self._last: tuple[int, list[int], list[int]] = (0, [0] * self.n, [0] * self.n)  # the last step asked for
+        self.sizes = list(sizes) if sizes is not None else None
+        self._fresh = set(self.starts[1:])  # a schedule entry starts its weights afresh: nothing carried into it
+        zero = ([0] * self.n, [0] * self.n, [0] * self.n)
+        self._cache: list[tuple[list[int], ...]] = [zero]  # (taken, carried, passed over) every 1024 steps
+        self._last: tuple[int, tuple[list[int], ...]] = (0, zero)  # the last step asked for
 
     def _segment(self, step: int) -> list[int]:
         i = 0
@@ -83,6 +95,8 @@ class MixCounts:
     def _step(self, step: int, carried: list[int]) -> list[int]:
         """The counts of ``step`` from the share carried into it (updated in place to the share carried out)."""
         d, n = self.d, self.n
+        if step in self._fresh:
+            carried[:] = [0] * n  # a source weighted 0 from here gets nothing: it carries no share into it
         q = [a + c for a, c in zip(self._segment(step), carried, strict=True)]
         counts = [max(x // d, 0) for x in q]
         left = self.g - sum(counts)
@@ -99,28 +113,52 @@ class MixCounts:
             carried[j] = q[j] - counts[j] * d
         return counts
 
-    def _state_at(self, step: int) -> tuple[list[int], list[int]]:
-        """``(cumulative counts, carried share)`` before ``step``."""
+    def _pass_over(self, counts: list[int], taken: list[int], passed: list[int]) -> None:
+        """A step never takes a source's examples across the end of its epoch: the few left that its count does
+        not fit are passed over (``passed`` grows), so no step holds one example twice."""
+        for j, (c, n) in enumerate(zip(counts, self.sizes or (), strict=False)):
+            at = (taken[j] + passed[j]) % n
+            if at + c > n:
+                passed[j] += n - at
+
+    def _state_at(self, step: int) -> tuple[list[int], ...]:
+        """``(examples taken, carried share, examples passed over)`` of each source before ``step``."""
         check_int("step", step, 0)
         k = min(step // _CACHE_EVERY, len(self._cache) - 1)
-        first, total, carried = k * _CACHE_EVERY, *(list(x) for x in self._cache[k])
+        first, state = k * _CACHE_EVERY, self._cache[k]
         if first <= self._last[0] <= step:  # readers ask for steps in order: continue from the last one
-            first, total, carried = self._last[0], list(self._last[1]), list(self._last[2])
+            first, state = self._last
+        taken, carried, passed = (list(x) for x in state)
         for s in range(first, step):
-            for j, c in enumerate(self._step(s, carried)):
-                total[j] += c
+            counts = self._step(s, carried)
+            self._pass_over(counts, taken, passed)
+            for j, c in enumerate(counts):
+                taken[j] += c
             if (s + 1) % _CACHE_EVERY == 0 and (s + 1) // _CACHE_EVERY == len(self._cache):
-                self._cache.append((list(total), list(carried)))
-        self._last = (step, list(total), list(carried))
-        return total, carried
+                self._cache.append((list(taken), list(carried), list(passed)))
+        self._last = (step, (list(taken), list(carried), list(passed)))
+        return taken, carried, passed
 
     def before(self, step: int) -> list[int]:
-        """Examples of each source in steps ``0 .. step-1`` (the stream position each source continues from)."""
+        """Examples of each source in steps ``0 .. step-1``."""
         return self._state_at(step)[0]
 
     def counts(self, step: int) -> list[int]:
         """Examples of each source in step ``step`` (they sum to the global batch)."""
         return self._step(step, self._state_at(step)[1])
+
+    def block(self, step: int) -> tuple[list[int], list[int]]:
+        """``(counts, first stream positions)`` of ``step``: source ``j``'s examples in it are its stream positions
+        ``[first_j, first_j + counts_j)`` (with ``sizes``: within one epoch of the source)."""
+        taken, carried, passed = self._state_at(step)
+        counts = self._step(step, list(carried))
+        self._pass_over(counts, taken, passed)
+        return counts, [t + p for t, p in zip(taken, passed, strict=True)]
+
+    def position(self, step: int) -> list[int]:
+        """Each source's stream position before ``step`` (examples taken and passed over)."""
+        taken, _, passed = self._state_at(step)
+        return [t + p for t, p in zip(taken, passed, strict=True)]
 
     def weights_at(self, step: int) -> list[Fraction]:
         """The normalised weights in force at ``step``."""

@@ -1,8 +1,9 @@
 """``MixedDataset``: micro-batches of a weighted mixture of datasets, in one global order for any world size.
 
 Each source is a stream: its epochs one after another, each in the order a single-source run would read it
-(:mod:`steadytrain.data.order`: shards shuffled in windows, rows within a window, from the source's own seed),
-all of its rows (nothing dropped at an epoch's end: a source that runs out starts its next epoch on its own).
+(:mod:`steadytrain.data.order`: shards shuffled in windows, rows within a window, from the source's own seed); a
+source that runs out starts its next epoch on its own. A step takes a source's examples from one epoch (the few
+left at an epoch's end that do not fit a step's count are passed over), so no step holds an example twice.
 Optimizer step ``s`` takes ``c_j(s)`` examples of source ``j`` (:class:`~steadytrain.data.mixing.MixCounts`:
 exactly the weighted share, per step) from where that source's stream stands, ``C_j(s)``; the ``G`` examples
 are then put in an order drawn from ``(seed, s)``, and split between ranks and micro-batches as a single
@@ -89,8 +90,10 @@ class MixedDataset(IterableDataset):
         self.names, self.readers, self.offsets = list(names), list(readers), list(offsets)
         self.layout = GlobalLayout(batch_size, accumulation_steps, world_size)
         self.rank, self.world_size, self.seed, self.transform = rank, world_size, seed, transform
-        self.mix = MixCounts(weights, global_batch_size=self.layout.global_batch_size, seed=seed, schedule=schedule)
         self.sizes = [sum(r._rows.values()) for r in readers]
+        self.mix = MixCounts(
+            weights, global_batch_size=self.layout.global_batch_size, seed=seed, schedule=schedule, sizes=self.sizes
+        )
         self.columns = readers[0].columns  # what a validation set must match
         self._check_columns()
         self._check_sizes()
@@ -105,6 +108,12 @@ class MixedDataset(IterableDataset):
         self._table: dict[int, tuple[tuple[int, int], pa.Table]] = {}  # per source: its last window read
 
     def _check_columns(self) -> None:
+        for name, r in zip(self.names, self.readers, strict=True):
+            if "source" in r.columns.reference()[1].names:
+                raise DatasetError(
+                    f"data.sources: source {name!r} ({r.dataset.path}) has its own column 'source', which a mixture "
+                    "adds to every example: rename it in the data"
+                )
         _, ref = self.readers[0].columns.reference()
         for name, r in zip(self.names[1:], self.readers[1:], strict=True):
             _, mine = r.columns.reference()
@@ -113,21 +122,17 @@ class MixedDataset(IterableDataset):
                     f"data.sources: source {name!r} ({r.dataset.path}) does not have the columns of source "
                     f"{self.names[0]!r}: {'; '.join(diffs)}: give sources with the same columns"
                 )
-        if "source" in ref.names:
-            raise DatasetError(
-                f"data.sources: source {self.names[0]!r} has its own column 'source', which a mixture adds to every "
-                "example: rename it in the data"
-            )
 
     def _check_sizes(self) -> None:
+        """Every step's examples of a source fit in one of its epochs: a step takes at most ``ceil(G*w) + 1``
+        (the share carried in adds at most one)."""
         for start in self.mix.starts:
-            top = [math.ceil(w * self.layout.global_batch_size) for w in self.mix.weights_at(start)]
-            for name, n, size in zip(self.names, top, self.sizes, strict=True):
-                if n > size:
+            top = [math.ceil(w * self.layout.global_batch_size) + 1 for w in self.mix.weights_at(start)]
+            for name, n, size, w in zip(self.names, top, self.sizes, self.mix.weights_at(start), strict=True):
+                if w and n > size:
                     raise UserError(
-                        f"data.sources: source {name!r} has {size} examples but its share of a global batch is up to "
-                        f"{n} (from step {start + 1}): a step would repeat its examples; give it a smaller weight "
-                        "or more data"
+                        f"data.sources: source {name!r} has {size} examples but a global batch may take up to {n} of "
+                        f"them (from step {start + 1}): it would hold some twice; give it a smaller weight or more data"
                     )
 
     @property
@@ -156,7 +161,7 @@ class MixedDataset(IterableDataset):
 
     def source_epochs(self, step: int) -> list[int]:
         """Each source's epoch at global ``step`` (how many times it has run out before it)."""
-        return [c // n for c, n in zip(self.mix.before(step), self.sizes, strict=True)]
+        return [p // n for p, n in zip(self.mix.position(step), self.sizes, strict=True)]
 
     # -- the order ------------------------------------------------------------------------------------------------
 
@@ -167,10 +172,10 @@ class MixedDataset(IterableDataset):
         a = (self.rank * k + m % k) * self.layout.batch_size
         slots = np.random.default_rng([self.seed, step, 2]).permutation(self.layout.global_batch_size)
         slots = slots[a : a + self.layout.batch_size]
-        counts, before = self.mix.counts(step), self.mix.before(step)
+        counts, first = self.mix.block(step)
         ends = np.cumsum(counts)
         src = np.searchsorted(ends, slots, side="right")
-        return src, np.asarray(before, dtype=np.int64)[src] + slots - (ends - counts)[src]
+        return src, np.asarray(first, dtype=np.int64)[src] + slots - (ends - counts)[src]
 
     def _epoch_windows(self, j: int, epoch: int) -> list[list[int]]:
         key = (j, epoch)

@@ -2,8 +2,8 @@
 
 Each source is opened, held out (``eval.holdout_shards`` / ``eval.holdout_fraction`` apply to each source alike)
 and read as a single-source run would read it; :class:`~steadytrain.data.mixture.MixedDataset` mixes them.
-Everything here is refused before the run directory exists: a source that is not a dataset, sources whose
-columns or token vocabularies differ.
+Everything here is refused before the run directory exists: a source that is not a dataset or holds out all of
+itself, two sources of the same data, sources whose columns or token vocabularies differ.
 """
 
 from __future__ import annotations
@@ -70,18 +70,26 @@ def _weights(cfg: TrainConfig) -> tuple[list[Fraction], list[tuple[int, list[Fra
 
 
 def mixture_holdout(cfg: TrainConfig, global_batch_size: int) -> Mixture:
-    """Open every source (one line naming the source when one is not a dataset) and hold out its validation part."""
-    names, paths, offsets, ids, held, offset = [], [], [], [], [], 0
+    """Open every source (one line naming the source when one is not a dataset, holds out all of itself, or is
+    another source's data again) and hold out its validation part."""
+    names, paths, offsets, ids, held, offset, seen = [], [], [], [], [], 0, {}
     for s in cfg.data.sources:
         path = Path(s.path)
         try:
+            if not path.exists():
+                raise UserError(f"path {s.path!r} does not exist: give the source's dataset directory")
             ds = open_dataset(path)
+            held.append(holdout(cfg, path, 1))
         except UserError as err:
             raise UserError(f"data.sources {s.name}: {err}") from None
+        if (twin := seen.setdefault(ds.fingerprint(), s)) is not s:
+            raise UserError(
+                f"data.sources: {s.name!r} ({s.path!r}) holds the same data as {twin.name!r} ({twin.path!r}): a global "
+                "batch could hold one example twice; list it once, with the two weights added"
+            )
         names.append(s.name)
         paths.append(path)
         offsets.append(offset)
-        held.append(holdout(cfg, path, 1))
         ids.append(max(ds.shard_ids, default=-1) + 1)
         offset += ids[-1]
     _same_tokens(names, paths)
@@ -95,8 +103,9 @@ def _same_tokens(names: list[str], paths: list[Path]) -> None:
         mine = token_context(open_dataset(path).provenance)
         for key in ("vocab_size", "seq_len"):
             if mine.get(key) != first.get(key):
+                theirs, ours = (x.get(key, "none recorded") for x in (mine, first))
                 raise UserError(
-                    f"data.sources: source {name!r} has {key} {mine.get(key)}, source {names[0]!r} {first.get(key)}: "
+                    f"data.sources: source {name!r} has {key} {theirs}, source {names[0]!r} {ours}: "
                     "a mixture's token sources must share one tokenizer and sequence length (re-ingest one of them)"
                 )
 

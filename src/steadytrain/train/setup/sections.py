@@ -64,6 +64,28 @@ SOURCE_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
 """A source's name: it becomes metric keys (``loss/<name>``), plot labels and table cells."""
 
 
+_NAME_RULE = "give 1 to 64 letters, digits, '_', '.' or '-', the first a letter or digit"
+
+
+def _yaml_word(value: Any) -> str:
+    """How a value YAML read as something other than text is shown, and why (``2023``, ``yes``, ``null``)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return f"{str(value).lower()} (YAML reads yes/no/on/off/true/false unquoted as a flag)"
+    kind = "number" if isinstance(value, int | float) else type(value).__name__
+    return f"{brief(value)} (YAML reads it unquoted as a {kind})"
+
+
+def _source_name(value: Any) -> str:
+    """``value`` if it is a valid source name, else a ValueError naming it and the rule."""
+    if not isinstance(value, str):
+        raise ValueError(f"{_yaml_word(value)} is not a source name: quote it, or {_NAME_RULE}")
+    if not re.fullmatch(SOURCE_NAME, value):
+        raise ValueError(f"{brief(value)} is not a source name: {_NAME_RULE} (it becomes metric keys loss/<name>)")
+    return value
+
+
 class SourceConfig(Section):
     name: str = Field(pattern=SOURCE_NAME)
     """The source's name in metrics (``loss/<name>``), reports and messages: letters, digits, ``_.-``."""
@@ -72,12 +94,40 @@ class SourceConfig(Section):
     weight: float = Field(gt=0, allow_inf_nan=False)
     """Its share of every global batch, relative to the other sources' weights."""
 
+    @field_validator("name", mode="before")
+    @classmethod
+    def _name(cls, value: Any) -> Any:
+        return _source_name(value)
+
+    @field_validator("weight", mode="before")
+    @classmethod
+    def _weight(cls, value: Any) -> Any:
+        """0 or less is a mistake a schedule's 0 does not excuse: say what the weight is for."""
+        if isinstance(value, int | float) and not isinstance(value, bool) and value <= 0:
+            raise ValueError(
+                f"{value!r} is not a weight > 0: data.sources weights apply from step 1 (remove a source to leave it "
+                "out; a data.mix_schedule weight of 0 leaves it out from a later step)"
+            )
+        return value
+
 
 class MixStepConfig(Section):
     step: int = Field(ge=1, le=MAX_COUNT)
-    """The first optimizer step these weights apply to (counted as in ``metrics.jsonl``: the first step is 1)."""
+    """The first optimizer step these weights apply to, from 2 (as ``metrics.jsonl`` counts; step 1 is data.sources)."""
     weights: dict[str, float]
     """Every source's weight from that step on (``{name: weight}``; 0 leaves a source out; one > 0)."""
+
+    @field_validator("weights", mode="before")
+    @classmethod
+    def _no_flag_or_odd_name(cls, value: Any) -> Any:
+        """A name YAML read as a number or flag, and ``true``/``false`` as a weight, are mistakes (pydantic would
+        refuse the first without saying why and take the second as 1 or 0)."""
+        for name, weight in value.items() if isinstance(value, dict) else ():
+            if not isinstance(name, str):
+                raise ValueError(f"{_yaml_word(name)} is not a source name: quote it as data.sources names it")
+            if isinstance(weight, bool):
+                raise ValueError(f"the weight of {name!r} is {str(weight).lower()}, a flag: give a number")
+        return value
 
 
 MESH_DIMS = ("replicate", "shard", "tp")
@@ -328,6 +378,11 @@ def check_mixture(sources: list[SourceConfig] | None, schedule: list[MixStepConf
         exact_weight(f"data.sources {s.name} weight", s.weight)
     last = 0
     for entry in schedule or ():
+        if entry.step == 1:
+            raise ValueError(
+                "data.mix_schedule step 1: step 1's weights are data.sources' weights: give them there (a schedule "
+                "changes them from step 2 on)"
+            )
         if entry.step <= last:
             raise ValueError(f"data.mix_schedule: step {entry.step} comes after step {last}: list steps in order")
         last = entry.step
