@@ -23,6 +23,7 @@ __all__ = ["apply_hyperparameters", "config_changes", "hyperparameters", "record
 
 _REFUSED = {
     "model.": "the checkpoint's weights belong to the model it was saved from",
+    "data.sources": "the checkpoint's data position is in these sources",
     "data.": "the data position in the checkpoint belongs to that dataset and order",
     "optim.name": "the optimizer state belongs to the optimizer it was saved from",
     "run.seed": "the data order and the random streams follow the seed",
@@ -72,6 +73,45 @@ def _why_refused(key: str, old: Any, new: Any, evaluated: bool) -> str | None:
     return why
 
 
+def _refuse_mixture(changes: dict[str, list[Any]], step: int, run: str) -> None:
+    """A UserError for a mixture change a resume at ``step`` cannot make: the weights of a step already trained, or
+    the weights of ``data.sources`` (they are step 1's: the schedule changes them from a later step)."""
+    if "data.mix_schedule" in changes and (past := _past_weights(*changes["data.mix_schedule"], step)) is not None:
+        old = _weights_at(changes["data.mix_schedule"][0], past)
+        had = "data.sources' weights" if old is None else ", ".join(f"{k}={v:g}" for k, v in old.items())
+        raise UserError(
+            f"--resume {run}: data.mix_schedule changes the weights of step {past}, already trained with {had} (the "
+            f"checkpoint is at step {step}): a resume may change the mixture only from step {step + 1} on"
+        )
+    old, new = changes.get("data.sources", (None, None))
+    if isinstance(old, list) and isinstance(new, list) and _without_weights(old) == _without_weights(new):
+        raise UserError(
+            f"--resume {run}: data.sources weights are the weights from step 1, already trained: to change them from "
+            f"step {step + 1} on, keep data.sources and add {{step: {step + 1}, weights: {{...}}}} to data.mix_schedule"
+        )
+
+
+def _without_weights(sources: list[Any]) -> list[Any]:
+    return [{k: v for k, v in s.items() if k != "weight"} if isinstance(s, dict) else s for s in sources]
+
+
+def _entries(schedule: Any) -> list[dict[str, Any]]:
+    return [e for e in schedule or () if isinstance(e, dict) and isinstance(e.get("step"), int)]
+
+
+def _weights_at(schedule: Any, t: int) -> Any:
+    """The weights ``schedule`` gives step ``t`` (None: ``data.sources``')."""
+    found = [e for e in _entries(schedule) if e["step"] <= t]
+    return found[-1].get("weights") if found else None
+
+
+def _past_weights(old: Any, new: Any, step: int) -> int | None:
+    """The first step up to ``step`` whose mixture weights the schedule change ``old -> new`` changes (None: none)."""
+
+    steps = sorted({e["step"] for e in _entries(old) + _entries(new) if e["step"] <= step})
+    return next((t for t in steps if _weights_at(old, t) != _weights_at(new, t)), None)
+
+
 def refuse_changes(
     changes: dict[str, list[Any]],
     saved_plan: dict[str, Any],
@@ -83,6 +123,7 @@ def refuse_changes(
 ) -> None:
     """A UserError for the first change a resume from optimizer ``step`` cannot honour (``evaluated``: the
     saved run had a validation set)."""
+    _refuse_mixture(changes, step, run)
     for key, (old, new) in changes.items():
         if why := _why_refused(key, old, new, evaluated):
             keep = json.dumps(old) if old is None or isinstance(old, bool | int | float) else brief(old)

@@ -331,6 +331,9 @@ def error_line(err: ValidationError, source: str) -> str:
 
 def _parse_set(item: str) -> tuple[list[str], Any]:
     key, sep, raw = item.partition("=")
+    if sep and key and (digit := next((p for p in key.split(".") if p.isdigit()), None)) is not None:
+        whole = key.split(f".{digit}")[0]
+        raise UserError(f"--set {brief(item)}: {whole} is a list: set it whole (--set '{whole}=[...]')")
     if not sep or not key or any(not part.isidentifier() for part in key.split(".")):
         raise UserError(f"--set {brief(item)}: use key.sub=value, e.g. --set batch.micro_batch_size=8")
     return key.split("."), parse_yaml(raw, source=f"--set {key}", what="value") if raw else None
@@ -395,4 +398,6 @@ def resolved_config(cfg: TrainConfig) -> dict[str, Any]:
     for section, key in _PATHS:
         if out[section].get(key):
             out[section][key] = str(Path(out[section][key]).resolve())
+    for source in out["data"].get("sources") or ():
+        source["path"] = str(Path(source["path"]).resolve())
     return out

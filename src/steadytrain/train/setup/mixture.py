@@ -161,7 +161,14 @@ def training_data(
         ds = build_dataset(cfg, path, info, accumulation_steps, held.shards, rows=held.training_rows)
         return ds, held, None
     mix = mixture_holdout(cfg, global_batch_size)
-    return build_mixture(cfg, mix, info, accumulation_steps), mix.combined(), mix
+    ds = build_mixture(cfg, mix, info, accumulation_steps)
+    total = cfg.run.max_steps or ds.steps_per_epoch * cfg.run.epochs
+    if late := [e.step for e in cfg.data.mix_schedule or () if e.step > total]:
+        raise UserError(
+            f"data.mix_schedule step {late[0]} is beyond the run's {total} steps (run.max_steps={cfg.run.max_steps}, "
+            f"run.epochs={cfg.run.epochs}): it would never apply; remove it or train longer"
+        )
+    return ds, mix.combined(), mix
 
 
 def validation_data(
