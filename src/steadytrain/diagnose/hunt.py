@@ -306,7 +306,27 @@ def hunt(
     Raises:
         UserError: no such run, shard (or one the run never read) or checkpoint; neither ``shard`` nor ``step``.
     """
-    run_dir = Path(run_dir)
+    run_dir, command = Path(run_dir), _command(kind, shard, step)
+    check_shard_read(run_dir, shard, command)  # a shard the run never read has nothing to say about it
+    before = (
+        step - 1 if step is not None else _first_event_step(run_dir, shard, LEDGER if kind == "nonfinite" else SPIKES)
+    )
+    before = before - 1 if step is None and before is not None else before
+    net, settings = _load(loader, run_dir, model, checkpoint, before)
+    net.eval()  # deterministic replay: no dropout
+    if settings.mixture is None:
+        return _hunt_in(net, settings, kind, shard, step, chunk, bisect_only)
+    if shard is None or step is not None:  # a mixture run: the shard in its own source, read as the run read it
+        raise UserError(
+            f"a mixture run (data.sources) is hunted by shard, not by step (a step mixes sources): give --shard ID "
+            f"alone (steadytrain {command} report names them; steadytrain triage replays a step)"
+        )
+    mine, own, source = settings.mixture.source(settings, shard)
+    return in_mixture(_hunt_in(net, mine, kind, own, None, chunk, bisect_only), shard, own, source)
+
+
+def _command(kind: str, shard: int | None, step: int | None) -> str:
+    """The command a hunt of ``kind`` is (``nan`` or ``spikes``); a UserError for what it cannot hunt."""
     if kind not in ("nonfinite", "spike"):
         raise UserError(f"kind={kind!r}: use nonfinite or spike")
     command = "nan" if kind == "nonfinite" else "spikes"
@@ -316,23 +336,7 @@ def hunt(
         )
     if step is not None and step < 1:
         raise UserError(f"step={step}: optimizer steps count from 1 (as metrics.jsonl and the ledger do)")
-    check_shard_read(run_dir, shard, command)  # a shard the run never read has nothing to say about it
-    before = (
-        step - 1 if step is not None else _first_event_step(run_dir, shard, LEDGER if kind == "nonfinite" else SPIKES)
-    )
-    before = before - 1 if step is None and before is not None else before
-    net, settings = _load(loader, run_dir, model, checkpoint, before)
-    net.eval()  # deterministic replay: no dropout
-    asked, source = shard, None
-    if settings.mixture is not None:  # a mixture run: the shard in its own source, read as the run read it
-        if shard is None or step is not None:
-            raise UserError(
-                f"a mixture run (data.sources) is hunted by shard, not by step (a step mixes sources): give --shard "
-                f"ID alone (steadytrain {command} report names them; steadytrain triage replays a step)"
-            )
-        settings, shard, source = settings.mixture.source(settings, shard)
-    report = _hunt_in(net, settings, kind, shard, step, chunk, bisect_only)
-    return in_mixture(report, asked, shard, source) if source is not None else report
+    return command
 
 
 def _hunt_in(net, settings: ReplaySettings, kind: str, shard, step, chunk, bisect_only: bool) -> HuntReport:

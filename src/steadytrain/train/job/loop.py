@@ -117,15 +117,9 @@ def _build(cfg: TrainConfig, info: DistInfo, where: _Where, signals: contextlib.
         found = restart.auto_resume(info, path)
         where = _Where(None if found else path, found, where.stop_after, True)
     run, lock, changes = runfiles.prepare(
-        cfg,
-        info,
-        p.plan,
-        run_dir=where.run_dir,
-        resume=where.resume,
-        data=data_path(cfg),
-        held_out=p.held,
+        cfg, info, p.plan, run_dir=where.run_dir, resume=where.resume, data=data_path(cfg), held_out=p.held,
         sources=p.sources,
-    )
+    )  # fmt: skip
     try:
         for name, text in p.hf_files.items():
             write_text_atomic(run.path / name, text)
