@@ -20,7 +20,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
-__all__ = ["concat_columns", "split_columns", "to_columns"]
+__all__ = ["concat_columns", "split_columns", "to_arrays", "to_columns"]
 
 _NUMERIC = (pa.types.is_integer, pa.types.is_floating, pa.types.is_boolean)
 
@@ -85,13 +85,14 @@ def _via_dictionary(col: pa.ChunkedArray | pa.Array) -> list:
     return values[arr.indices.to_numpy(zero_copy_only=False)].tolist()
 
 
+def to_arrays(table: pa.Table) -> dict[str, Any]:
+    """Every column of ``table`` converted once: NumPy arrays (numeric) or lists (what :func:`to_columns` wraps)."""
+    return {name: _convert(table.column(name)) for name in table.column_names}
+
+
 def to_columns(table: pa.Table) -> dict[str, Any]:
     """Every column of ``table`` converted once: tensors (numeric) or lists."""
-    out: dict[str, Any] = {}
-    for name in table.column_names:
-        col = _convert(table.column(name))
-        out[name] = torch.from_numpy(col) if isinstance(col, np.ndarray) else col
-    return out
+    return {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in to_arrays(table).items()}
 
 
 _GROUP = 64  # micro-batch pieces made at a time

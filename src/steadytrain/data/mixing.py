@@ -130,14 +130,29 @@ class MixCounts:
             first, state = self._last
         taken, carried, passed = (list(x) for x in state)
         for s in range(first, step):
-            counts = self._step(s, carried)
-            self._pass_over(counts, taken, passed)
-            for j, c in enumerate(counts):
-                taken[j] += c
-            if (s + 1) % _CACHE_EVERY == 0 and (s + 1) // _CACHE_EVERY == len(self._cache):
-                self._cache.append((list(taken), list(carried), list(passed)))
+            self._advance(s, taken, carried, passed)
         self._last = (step, (list(taken), list(carried), list(passed)))
         return taken, carried, passed
+
+    def _advance(self, s: int, taken: list[int], carried: list[int], passed: list[int]) -> tuple[list[int], list[int]]:
+        """Step ``s``: ``(counts, first stream positions)`` as :meth:`block`; the state moved past it (in place),
+        cached every 1024 steps."""
+        counts = self._step(s, carried)
+        self._pass_over(counts, taken, passed)
+        first = [t + p for t, p in zip(taken, passed, strict=True)]
+        for j, c in enumerate(counts):
+            taken[j] += c
+        if (s + 1) % _CACHE_EVERY == 0 and (s + 1) // _CACHE_EVERY == len(self._cache):
+            self._cache.append((list(taken), list(carried), list(passed)))
+        return counts, first
+
+    def span(self, first: int, n: int) -> tuple[list[list[int]], list[list[int]]]:
+        """:meth:`block` of each of steps ``first .. first + n - 1`` (``(counts, first positions)``, one row per
+        step), in one walk: a reader's chunk of steps."""
+        taken, carried, passed = self._state_at(first)
+        rows = [self._advance(s, taken, carried, passed) for s in range(first, first + n)]
+        self._last = (first + n, (list(taken), list(carried), list(passed)))
+        return [c for c, _ in rows], [f for _, f in rows]
 
     def before(self, step: int) -> list[int]:
         """Examples of each source in steps ``0 .. step-1``."""

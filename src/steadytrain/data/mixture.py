@@ -22,6 +22,7 @@ gather per window (one cached window per source), converts them once and slices 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import math
 from collections.abc import Iterator
@@ -35,7 +36,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from steadytrain._io import brief
 from steadytrain.data.batched import BatchedDataset, resume_position
-from steadytrain.data.columnar import split_columns, to_columns
+from steadytrain.data.columnar import split_columns, to_arrays
 from steadytrain.data.columns import schema_differences
 from steadytrain.data.format import DatasetError
 from steadytrain.data.mixing import MixCounts
@@ -49,6 +50,33 @@ __all__ = ["MixedDataset", "source_seed"]
 log = logging.getLogger(__name__)
 
 _CHUNK_ROWS = 4096  # rows of this rank read and converted together
+_BLOCK = 64  # steps whose orders are drawn together
+
+
+def _place(out: dict[str, Any], cols: dict[str, Any], dest: np.ndarray, rows: np.ndarray, n: int) -> None:
+    """Copy ``cols``' ``rows`` to rows ``dest`` of ``out`` (``n`` rows, made on first use). A column converted
+    unalike in two windows (nulls read as NaN in one) is widened to hold both: a wider dtype, or a list."""
+    for name, col in cols.items():
+        have = out.get(name)
+        if have is None:
+            have = out[name] = np.empty((n, *col.shape[1:]), col.dtype) if isinstance(col, np.ndarray) else [None] * n
+        if isinstance(have, np.ndarray) and isinstance(col, np.ndarray) and have.shape[1:] == col.shape[1:]:
+            if not np.can_cast(col.dtype, have.dtype, casting="safe"):
+                have = out[name] = have.astype(np.result_type(have.dtype, col.dtype))
+            have[dest] = col[rows]
+            continue
+        if isinstance(have, np.ndarray):
+            have = out[name] = have.tolist()
+        for d, r in zip(dest.tolist(), rows.tolist(), strict=True):
+            have[d] = col[r].tolist() if isinstance(col, np.ndarray) else col[r]
+
+
+def _runs(values: np.ndarray) -> Iterator[tuple[int, int, int]]:
+    """``(value, start, stop)`` of each run of equal values of a sorted array."""
+    cuts = np.flatnonzero(values[1:] != values[:-1]) + 1
+    bounds = [0, *cuts.tolist(), len(values)]
+    for a, b in itertools.pairwise(bounds):
+        yield int(values[a]), a, b
 
 
 def source_seed(seed: int, j: int) -> int:
@@ -104,8 +132,9 @@ class MixedDataset(IterableDataset):
         self.shard_ids = sorted(o + s for o, r in zip(offsets, readers, strict=True) for s in r.shard_ids)
         self.fingerprint = "mix(" + ";".join(f"{n}={r.fingerprint}" for n, r in zip(names, readers, strict=True)) + ")"
         self.epoch, self.micro = 0, 0
-        self._windows: dict[tuple[int, int], list[list[int]]] = {}
-        self._table: dict[int, tuple[tuple[int, int], pa.Table]] = {}  # per source: its last window read
+        self._windows: dict[tuple[int, int], tuple[list[list[int]], np.ndarray]] = {}
+        self._table: dict[int, tuple[tuple[int, int], Any]] = {}  # per source: its last window, converted
+        self._block: tuple[int, np.ndarray] | None = None  # the last block of steps' orders drawn
 
     def _check_columns(self) -> None:
         for name, r in zip(self.names, self.readers, strict=True):
@@ -165,70 +194,87 @@ class MixedDataset(IterableDataset):
 
     # -- the order ------------------------------------------------------------------------------------------------
 
-    def _slots(self, m: int) -> tuple[np.ndarray, np.ndarray]:
-        """``(source, stream position)`` of each example of this rank's micro-batch ``m``, in its order."""
-        k = self.layout.accumulation_steps
-        step = self.epoch * self.steps_per_epoch + m // k
-        a = (self.rank * k + m % k) * self.layout.batch_size
-        slots = np.random.default_rng([self.seed, step, 2]).permutation(self.layout.global_batch_size)
-        slots = slots[a : a + self.layout.batch_size]
-        counts, first = self.mix.block(step)
-        ends = np.cumsum(counts)
-        src = np.searchsorted(ends, slots, side="right")
-        return src, np.asarray(first, dtype=np.int64)[src] + slots - (ends - counts)[src]
+    def _slots(self, ms: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """``(source, stream position)`` of each example of this rank's micro-batches ``ms``, in their order: each
+        step's order drawn and its counts walked once, the slots of all the micro-batches found together."""
+        k, b, g = self.layout.accumulation_steps, self.layout.batch_size, self.layout.global_batch_size
+        m = np.asarray(ms, dtype=np.int64)
+        steps = self.epoch * self.steps_per_epoch + m // k
+        first = int(steps.min())
+        counts, starts = (np.asarray(x, dtype=np.int64) for x in self.mix.span(first, int(steps.max()) - first + 1))
+        ends = np.cumsum(counts, axis=1)
+        at = (steps - first)[:, None]  # ms increase: their steps are first, first + 1, ...
+        orders = np.stack([self._order(s, g) for s in range(first, int(steps.max()) + 1)])
+        a = (self.rank * k + m % k) * b
+        slots = orders[at, a[:, None] + np.arange(b)]  # [micro-batches, B]
+        src = np.zeros(slots.shape, dtype=np.int64)  # the source whose run of the step's slots holds each slot
+        for j in range(ends.shape[1] - 1):
+            src += slots >= ends[at, j]
+        pos = starts[at, src] + slots - (ends - counts)[at, src]
+        return src.ravel(), pos.ravel()
 
-    def _epoch_windows(self, j: int, epoch: int) -> list[list[int]]:
+    def _order(self, step: int, g: int) -> np.ndarray:
+        """Step ``step``'s order of its ``g`` slots: row ``step % 64`` of its block of 64 steps' orders, drawn
+        together from ``(seed, step // 64)`` (one generator per 64 steps, not per step)."""
+        block = step // _BLOCK
+        if self._block is None or self._block[0] != block:
+            rng = np.random.default_rng([self.seed, block, 3])
+            self._block = block, rng.permuted(np.tile(np.arange(g), (_BLOCK, 1)), axis=1)
+        return self._block[1][step % _BLOCK]
+
+    def _epoch_windows(self, j: int, epoch: int) -> tuple[list[list[int]], np.ndarray]:
+        """Source ``j``'s windows of ``epoch`` and the stream offset (within the epoch) where each ends."""
         key = (j, epoch)
         if key not in self._windows:
             r = self.readers[j]
             if len(self._windows) > 64:
                 self._windows.clear()
             windows = epoch_windows(r.shard_ids, seed=r.seed, epoch=epoch, shuffle=r.shuffle, window=r.window)
-            self._windows[key] = windows
+            self._windows[key] = windows, np.cumsum([sum(r._rows[s] for s in w) for w in windows])
         return self._windows[key]
 
-    def _locate(self, j: int, positions: np.ndarray) -> Iterator[tuple[int, int, list[int], np.ndarray, np.ndarray]]:
-        """``(epoch, window, its shards, which of positions, rows in the window's order)`` of source ``j``'s
-        stream ``positions`` (increasing), window by window."""
-        r, n = self.readers[j], self.sizes[j]
-        epochs = positions // n
-        for e in np.unique(epochs):
-            sel = np.flatnonzero(epochs == e)
-            off = positions[sel] % n
-            windows = self._epoch_windows(j, int(e))
-            bounds = np.cumsum([sum(r._rows[s] for s in w) for w in windows])
-            wis = np.searchsorted(bounds, off, side="right")
-            for wi in np.unique(wis):
-                here = wis == wi
-                start = bounds[wi - 1] if wi else 0
-                perm = window_permutation(
-                    int(bounds[wi] - start), seed=r.seed, epoch=int(e), window_index=int(wi), shuffle=r.shuffle
-                )
-                rows = off[here] - start
-                yield int(e), int(wi), windows[wi], sel[here], perm[rows] if perm is not None else rows
+    def _permutation(self, j: int, epoch: int, wi: int, shards: list[int]) -> np.ndarray | None:
+        """The row order of source ``j``'s window ``wi`` of ``epoch`` (None: as read)."""
+        r = self.readers[j]
+        n = sum(r._rows[s] for s in shards)
+        return window_permutation(n, seed=r.seed, epoch=epoch, window_index=wi, shuffle=r.shuffle)
 
-    def _rows_at(self, j: int, positions: np.ndarray) -> pa.Table:
-        """Source ``j``'s examples at stream ``positions`` (increasing), with mixture shard ids and ``source``."""
-        parts = []
-        for e, wi, shards, _, rows in self._locate(j, positions):
-            cached = self._table.get(j)
-            if cached is None or cached[0] != (e, wi):
-                cached = ((e, wi), self.readers[j]._load_window(shards))
-                self._table[j] = cached
-            parts.append(cached[1].take(pa.array(rows)))
-        table = pa.concat_tables(parts) if len(parts) > 1 else parts[0]
-        ref = self.readers[0].columns.reference()[1].names
-        shard = pa.array(table.column("shard").to_numpy() + self.offsets[j])
-        cols = [table.column(c) for c in ref] + [shard, table.column("index"), pa.array(np.full(len(table), j))]
-        return pa.table(cols, names=[*ref, "shard", "index", "source"])
+    def _locate(self, j: int, positions: np.ndarray) -> Iterator[tuple[int, int, list[int], np.ndarray, np.ndarray]]:
+        """``(epoch, window, its shards, which of positions, their places in the window's stream order)`` of
+        source ``j``'s stream ``positions`` (increasing), window by window."""
+        n = self.sizes[j]
+        epochs = positions // n
+        for e, a, b in _runs(epochs):  # sorted: runs of one epoch, then of one window
+            off = positions[a:b] % n
+            windows, bounds = self._epoch_windows(j, e)
+            for wi, c, d in _runs(np.searchsorted(bounds, off, side="right")):
+                yield e, wi, windows[wi], np.arange(a + c, a + d), off[c:d] - (bounds[wi - 1] if wi else 0)
+
+    def _window(self, j: int, epoch: int, wi: int, shards: list[int]) -> dict[str, Any]:
+        """Source ``j``'s window ``wi`` of ``epoch``, its rows in the order its stream reads them, converted once
+        (arrays and lists, with mixture shard ids and ``source``): one gather per window, as the single-source
+        reader makes; each chunk then copies its rows out of it, in order."""
+        cached = self._table.get(j)
+        if cached is None or cached[0] != (epoch, wi):
+            table = self.readers[j]._load_window(shards)
+            perm = self._permutation(j, epoch, wi, shards)
+            table = table.take(pa.array(perm)) if perm is not None else table.combine_chunks()
+            cols = to_arrays(table.select(self.readers[0].columns.reference()[1].names))
+            cols["shard"] = table.column("shard").to_numpy() + self.offsets[j]
+            cols["index"] = table.column("index").to_numpy()
+            cols["source"] = np.full(table.num_rows, j, dtype=np.int64)
+            cached = self._table[j] = ((epoch, wi), cols)
+        return cached[1]
 
     def micro_batch_shards(self, m: int) -> list[int]:
         """The mixture shard ids micro-batch ``m`` of this rank's epoch reads (for messages; reads no data)."""
-        src, pos = self._slots(m)
+        src, pos = self._slots([m])
         out: set[int] = set()
         for j in np.unique(src):
             r, p = self.readers[j], np.sort(pos[src == j])
-            for _, _, shards, _, rows in self._locate(int(j), p):
+            for e, wi, shards, _, rows in self._locate(int(j), p):
+                perm = self._permutation(int(j), e, wi, shards)
+                rows = perm[rows] if perm is not None else rows
                 sizes = np.cumsum([r._rows[s] for s in shards])
                 ids = np.asarray(shards)[np.searchsorted(sizes, rows, side="right")]
                 out.update((ids + self.offsets[j]).tolist())
@@ -237,20 +283,17 @@ class MixedDataset(IterableDataset):
     # -- reading --------------------------------------------------------------------------------------------------
 
     def _chunk(self, ms: list[int]) -> Iterator[tuple[int, dict[str, Any]]]:
-        """``(m, columns)`` of micro-batches ``ms``: each source's rows gathered and converted once."""
-        plans = [self._slots(m) for m in ms]
-        src = np.concatenate([p[0] for p in plans])
-        pos = np.concatenate([p[1] for p in plans])
-        gather = np.empty(len(src), dtype=np.int64)
-        tables, base = [], 0
-        for j in np.unique(src):
+        """``(m, columns)`` of micro-batches ``ms``: each example copied once, from its source's converted window
+        into its place in the chunk."""
+        src, pos = self._slots(ms)
+        out: dict[str, Any] = {}
+        for j in np.flatnonzero(np.bincount(src, minlength=len(self.names))):
             mine = np.flatnonzero(src == j)
             order = np.argsort(pos[mine], kind="stable")
-            tables.append(self._rows_at(int(j), pos[mine][order]))
-            gather[mine[order]] = base + np.arange(len(mine))
-            base += len(mine)
-        table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
-        cols = to_columns(table.take(pa.array(gather)))
+            dest = mine[order]
+            for e, wi, shards, sel, rows in self._locate(int(j), pos[mine][order]):
+                _place(out, self._window(int(j), e, wi, shards), dest[sel], rows, len(src))
+        cols = {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in out.items()}
         yield from zip(ms, split_columns(cols, [self.layout.batch_size] * len(ms)), strict=True)
 
     def iter_numbered(self) -> Iterator[tuple[int, dict[str, Any]]]:
