@@ -5,18 +5,19 @@ Each source is a stream: its epochs one after another, each in the order a singl
 source that runs out starts its next epoch on its own. A step takes a source's examples from one epoch (the few
 left at an epoch's end that do not fit a step's count are passed over), so no step holds an example twice.
 Optimizer step ``s`` takes ``c_j(s)`` examples of source ``j`` (:class:`~steadytrain.data.mixing.MixCounts`:
-exactly the weighted share, per step) from where that source's stream stands, ``C_j(s)``; the ``G`` examples
-are then put in an order drawn from ``(seed, s)``, and split between ranks and micro-batches as a single
-source's step is. So step ``s`` holds the same examples for any world size, accumulation and micro-batch
-size with ``G`` fixed, and after any resume.
+exactly the weighted share, per step) from where that source's stream stands; the ``G`` examples are then put in
+an order drawn from the seed and ``s`` (row ``s mod 64`` of 64 orders drawn from ``(seed, s // 64)``), and split
+between ranks and micro-batches as a single source's step is. So step ``s`` holds the same examples for any world
+size, accumulation and micro-batch size with ``G`` fixed, and after any resume.
 
 Shards are numbered in one id space (:mod:`steadytrain.data.sourcemap`): source ``j``'s shard ``k`` is
 ``offset_j + k`` in the ``shard`` column, and a ``source`` column holds ``j``. The training loop sees the
 interface of :class:`~steadytrain.data.batched.BatchedDataset`; its "epoch" here is a stretch of
 ``steps_per_epoch`` steps: the steps one pass over the largest-weighted source takes at its initial weight.
 
-Reading: a rank reads, per chunk of its micro-batches, each source's rows of those micro-batches with one
-gather per window (one cached window per source), converts them once and slices micro-batches out of them.
+Reading: each source's window is read, put in its stream order (one gather) and converted once (one cached window
+per source); a rank plans a chunk of its micro-batches at once and copies each of their examples once, from its
+source's window into its place, then slices micro-batches out of the chunk.
 """
 
 from __future__ import annotations
