@@ -10,18 +10,12 @@ names a shard for a person says which source it is in (``web shard 3 (id 7)``); 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from steadytrain.data.sourcemap import SOURCES_FILE, SourceMap, read_sources
 from steadytrain.errors import UserError
 
-if TYPE_CHECKING:
-    from steadytrain.data.sourcemap import SourceMap
-
 __all__ = ["SOURCES_FILE", "in_mixture", "mixture_bounds", "run_sources", "shard_name", "source_keys", "sources_phrase"]
-
-SOURCES_FILE = "sources.json"
-""":data:`steadytrain.data.sourcemap.SOURCES_FILE`, named here too: importing the data package imports torch, which
-reading a single-source run's ledger does not need."""
 
 
 def run_sources(run_dir: str | Path) -> SourceMap | None:
@@ -30,10 +24,6 @@ def run_sources(run_dir: str | Path) -> SourceMap | None:
     Raises:
         UserError: ``sources.json`` is not JSON or not of its shape.
     """
-    if not (Path(run_dir) / SOURCES_FILE).is_file():
-        return None
-    from steadytrain.data.sourcemap import read_sources
-
     return read_sources(run_dir)
 
 

@@ -6,7 +6,7 @@ source ``run.epochs`` counts and what was seen of each. The last training row of
 ``loss/<name>`` (the mean training loss of that source's examples in the interval; null when not finite or when
 the interval had none) and ``mix/<name>`` (the fraction of the interval's examples from that source); evaluation
 rows carry ``val_loss/<name>`` and ``val_items/<name>`` for the sources with held-out data. A single-source run
-has no ``sources.json``: nothing here applies to it, and its report does not import :mod:`steadytrain.data`.
+has no ``sources.json``: nothing here applies to it.
 
 Everything the report reads is checked before anything is drawn, as :func:`~steadytrain.runs.record.load_run`
 checks the other files: a damaged value is one :class:`~steadytrain.errors.UserError` naming the file and the key.
@@ -15,17 +15,15 @@ checks the other files: a damaged value is one :class:`~steadytrain.errors.UserE
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from steadytrain._check import check_finite, check_int, check_type
 from steadytrain._text import brief, md
+from steadytrain.data.sourcemap import SOURCES_FILE, SourceMap, read_sources
 from steadytrain.errors import UserError
 from steadytrain.rundir.schema import METRICS_FIX
 from steadytrain.runs.record import RunRecord
 from steadytrain.schedule import MAX_COUNT
-
-if TYPE_CHECKING:
-    from steadytrain.data.sourcemap import SourceMap
 
 __all__ = [
     "SOURCES_FILE",
@@ -38,9 +36,6 @@ __all__ = [
     "summary_lines",
 ]
 
-SOURCES_FILE = "sources.json"
-"""``steadytrain.data.sourcemap.SOURCES_FILE``, named here too: importing :mod:`steadytrain.data` imports torch and
-pyarrow, which the report of a single-source run (no such file) does without."""
 SOURCES_FIX = "the file is damaged: restore it from the run's checkpoint directory or remove it"
 DASH = "—"
 """A value the run did not record (a source with no ``loss/<name>`` yet, no exposure)."""
@@ -55,10 +50,6 @@ def load_mixture(rec: RunRecord) -> SourceMap | None:
             (names the file and the key, with the fix).
     """
     path = rec.run.path / SOURCES_FILE
-    if not path.exists():
-        return None
-    from steadytrain.data.sourcemap import read_sources
-
     sources = read_sources(rec.run.path)
     if sources is None:
         return None
