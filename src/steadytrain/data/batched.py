@@ -44,7 +44,7 @@ from steadytrain.data.policy import PolicyCounts, apply_policy
 from steadytrain.data.transform import Transform, apply_transform
 from steadytrain.errors import UserError
 
-__all__ = ["DEFAULT_SHUFFLE_WINDOW", "BatchedDataset", "global_batch", "resume_position"]
+__all__ = ["DEFAULT_SHUFFLE_WINDOW", "BatchedDataset", "global_batch", "position_state", "resume_position"]
 
 log = logging.getLogger(__name__)
 
@@ -272,18 +272,9 @@ class BatchedDataset(IterableDataset):
             yield mb
 
     def state_dict(self) -> dict[str, Any]:
-        lay = self.layout
         return {
             "mode": "batched",
-            "epoch": self.epoch,
-            "micro": self.micro,
-            "step": self.micro // lay.accumulation_steps,
-            "seed": self.seed,
-            "global_batch_size": lay.global_batch_size,
-            "batch_size": lay.batch_size,
-            "accumulation_steps": lay.accumulation_steps,
-            "world_size": lay.world_size,
-            "rank": self.rank,
+            **position_state(self.layout, self.epoch, self.micro, self.seed, self.rank),
             "shuffle": self.shuffle,
             "shuffle_window": self.window,
             "dataset": self.fingerprint,
@@ -315,6 +306,21 @@ class BatchedDataset(IterableDataset):
         counts = PolicyCounts.from_state(state["counts"])
         self.epoch, self.micro = resume_position(state, lay, self.steps_per_epoch)
         self.counts = counts
+
+
+def position_state(lay: GlobalLayout, epoch: int, micro: int, seed: int, rank: int) -> dict[str, Any]:
+    """The position part of a reader's state (what :func:`resume_position` reads back)."""
+    return {
+        "epoch": epoch,
+        "micro": micro,
+        "step": micro // lay.accumulation_steps,
+        "seed": seed,
+        "global_batch_size": lay.global_batch_size,
+        "batch_size": lay.batch_size,
+        "accumulation_steps": lay.accumulation_steps,
+        "world_size": lay.world_size,
+        "rank": rank,
+    }
 
 
 def resume_position(state: dict[str, Any], lay: GlobalLayout, steps_per_epoch: int) -> tuple[int, int]:

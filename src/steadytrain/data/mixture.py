@@ -36,7 +36,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from steadytrain._io import brief
-from steadytrain.data.batched import BatchedDataset, resume_position
+from steadytrain.data.batched import BatchedDataset, position_state, resume_position
 from steadytrain.data.columnar import split_columns, to_arrays
 from steadytrain.data.columns import schema_differences
 from steadytrain.data.format import DatasetError
@@ -322,18 +322,9 @@ class MixedDataset(IterableDataset):
         return [[s, [str(w) for w in self.mix.weights_at(s)]] for s in self.mix.starts]
 
     def state_dict(self) -> dict[str, Any]:
-        lay = self.layout
         return {
             "mode": "mixture",
-            "epoch": self.epoch,
-            "micro": self.micro,
-            "step": self.micro // lay.accumulation_steps,
-            "seed": self.seed,
-            "global_batch_size": lay.global_batch_size,
-            "batch_size": lay.batch_size,
-            "accumulation_steps": lay.accumulation_steps,
-            "world_size": lay.world_size,
-            "rank": self.rank,
+            **position_state(self.layout, self.epoch, self.micro, self.seed, self.rank),
             "dataset": self.fingerprint,
             "sources": list(self.names),
             "schedule": self._schedule_text(),
