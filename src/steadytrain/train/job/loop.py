@@ -300,7 +300,7 @@ def _micro_batch(job: Job, mb: dict[str, Any]) -> tuple[Any, torch.Tensor]:
         if out.dim() == 1:
             tag["losses"] = out.detach()  # per-example; its flags are computed only if the step is refused
         if job.metrics.sources is not None:
-            job.metrics.sources.add(out, mb["source"])  # a mixture's loss per source: a device op, no host read
+            job.metrics.sources.add(out, mb["source"], batch["source"])  # per source: a device op, no host read
         detached = loss.detach()
         if job.spikes.detector is not None:  # a spike's record of a model that returns a scalar loss
             tag["loss"] = detached

@@ -36,12 +36,14 @@ class SourceLosses:
         self._counts = np.zeros(len(names), dtype=np.int64)  # examples per source
         self._measured = np.zeros(len(names), dtype=np.int64)  # of them, with a per-example loss
 
-    def add(self, out: torch.Tensor, source: torch.Tensor) -> None:
-        """A micro-batch's model output (per-example losses ``[n]``, or a scalar) and its ``source`` column."""
+    def add(self, out: torch.Tensor, source: torch.Tensor, on_device: torch.Tensor | None = None) -> None:
+        """A micro-batch's model output (per-example losses ``[n]``, or a scalar) and its ``source`` column (on the
+        host; ``on_device``: the same column where the losses are, when the batch was moved there)."""
         counts = np.bincount(source.numpy(), minlength=len(self.names))
         self._counts += counts
         if out.dim() == 1:
-            self._sums.index_add_(0, source.to(self._sums.device), out.detach().double())
+            where = on_device if on_device is not None else source.to(self._sums.device)
+            self._sums.index_add_(0, where, out.detach().double())
             self._measured += counts
 
     def take(self) -> dict[str, Any]:
