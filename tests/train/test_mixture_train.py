@@ -102,9 +102,11 @@ def test_loss_per_source_is_the_mean_of_its_examples_losses(mix):
         assert whole == pytest.approx(row["val_loss"], rel=1e-9)
 
 
-def test_two_ranks_train_on_the_same_examples_with_the_same_losses(mix):
-    run = mix["root"] / "two"
-    train(run, *mix["items"], args=("--nproc", "2"))
+@pytest.mark.distributed  # starts ranks of its own: the ranks group
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_two_and_four_ranks_train_on_the_same_examples_with_the_same_losses(mix, ranks):
+    run = mix["root"] / f"ranks-{ranks}"
+    train(run, *mix["items"], args=("--nproc", str(ranks)))  # accumulation 2 on 2 ranks, 1 on 4
     one, two = metrics(mix["straight"]), metrics(run)
     assert [r["step"] for r in two] == list(range(1, STEPS + 1))
     for a, b in zip(one, two, strict=True):
