@@ -225,3 +225,26 @@ def test_background_workers_hand_over_the_in_process_order(sources):
     ds = mixed(sources, [3, 1], K=2, B=2)
     assert [triples(mb) for mb in MicroBatchLoader(ds, num_workers=2, prefetch=4)] == alone
     assert ds.micro == len(ds)  # the position advanced as they were handed over
+
+
+@pytest.mark.parametrize("trial", range(6))
+def test_a_span_of_whole_quotas_in_closed_form_equals_the_walk(trial):
+    """Weights whose quotas are whole examples (closed form in ``span``) against the step-by-step walk, across
+    epoch ends of small sources, a schedule entry, and the cache every 1024 steps."""
+    rng = random.Random(trial)
+    g = rng.choice([8, 12, 64])
+    weights = [F(rng.choice([1, 2, 3])) for _ in range(3)]
+    sizes = [rng.randint(g, 5 * g) for _ in range(3)]
+    schedule = [(rng.randint(1, 1500), [F(1), F(1), F(2)])]
+    fast = MixCounts(weights, global_batch_size=g, seed=trial, schedule=schedule, sizes=sizes)
+    slow = MixCounts(weights, global_batch_size=g, seed=trial, schedule=schedule, sizes=sizes)
+    first = 0
+    for n in [rng.randint(1, 700) for _ in range(6)]:
+        counts, firsts = fast.span(first, n)
+        blocks = [slow.block(s) for s in range(first, first + n)]
+        assert counts.tolist() == [c for c, _ in blocks] and firsts.tolist() == [f for _, f in blocks], (first, n)
+        first += n
+    assert MixCounts(weights, global_batch_size=g, seed=trial, schedule=schedule, sizes=sizes).position(first) == (
+        fast.position(first)
+    )
+    assert fast._cache == slow._cache[: len(fast._cache)] and len(fast._cache) >= first // 1024

@@ -29,6 +29,8 @@ from __future__ import annotations
 import math
 from fractions import Fraction
 
+import numpy as np
+
 from steadytrain._check import check_int
 from steadytrain.errors import UserError
 
@@ -146,13 +148,52 @@ class MixCounts:
             self._cache.append((list(taken), list(carried), list(passed)))
         return counts, first
 
-    def span(self, first: int, n: int) -> tuple[list[list[int]], list[list[int]]]:
-        """:meth:`block` of each of steps ``first .. first + n - 1`` (``(counts, first positions)``, one row per
-        step), in one walk: a reader's chunk of steps."""
+    def span(self, first: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`block` of each of steps ``first .. first + n - 1`` (``(counts, first positions)``, ``[n, J]``
+        arrays), in one walk: a reader's chunk of steps. Steps whose quotas are whole examples (``G * w_j`` an
+        integer: nothing is carried) take the same counts every step: their positions are computed at once."""
         taken, carried, passed = self._state_at(first)
-        rows = [self._advance(s, taken, carried, passed) for s in range(first, first + n)]
+        steady = self._steady(first, n, taken, carried, passed)
+        if steady is None:
+            rows = [self._advance(s, taken, carried, passed) for s in range(first, first + n)]
+            steady = np.array([c for c, _ in rows], dtype=np.int64), np.array([f for _, f in rows], dtype=np.int64)
         self._last = (first + n, (list(taken), list(carried), list(passed)))
-        return [c for c, _ in rows], [f for _, f in rows]
+        return steady
+
+    def _steady(
+        self, first: int, n: int, taken: list[int], carried: list[int], passed: list[int]
+    ) -> tuple[np.ndarray, np.ndarray] | None:
+        """:meth:`span` in closed form when its steps lie in one stretch of weights whose quotas are whole examples
+        and nothing is carried into it (None otherwise); the state is moved past them (in place) and cached."""
+        quota = self._segment(first)
+        fresh = first in self._fresh or not any(carried)
+        inside = all(s <= first or s >= first + n for s in self.starts)
+        if self.sizes is None or not (fresh and inside) or any(q % self.d for q in quota):
+            return None
+        counts = np.array([q // self.d for q in quota], dtype=np.int64)
+        t = np.arange(n, dtype=np.int64)
+        firsts = np.empty((n, self.n), dtype=np.int64)
+        extra = np.zeros((n, self.n), dtype=np.int64)  # examples passed over up to and including each step
+        for j, (c, size) in enumerate(zip(counts.tolist(), self.sizes, strict=True)):
+            start = taken[j] + passed[j]
+            if c:
+                at = start % size
+                fit, per = (size - at) // c, size // c  # steps left in this epoch; steps in a whole one
+                passes = np.where(t < fit, 0, 1 + (t - fit) // per)
+                extra[:, j] = np.where(passes == 0, 0, size - at - fit * c + (passes - 1) * (size - per * c))
+            firsts[:, j] = start + t * c + extra[:, j]
+        carried[:] = [0] * self.n
+        for b in range(first // _CACHE_EVERY + 1, (first + n) // _CACHE_EVERY + 1):  # the cached states inside
+            if b == len(self._cache):
+                k = b * _CACHE_EVERY - first  # steps from first to the cached boundary
+                at_b = [x + int(c) * k for x, c in zip(taken, counts, strict=True)]
+                self._cache.append(
+                    (at_b, [0] * self.n, [p + int(e) for p, e in zip(passed, extra[k - 1], strict=True)])
+                )
+        for j in range(self.n):
+            taken[j] += int(counts[j]) * n
+            passed[j] += int(extra[n - 1, j])
+        return np.tile(counts, (n, 1)), firsts
 
     def before(self, step: int) -> list[int]:
         """Examples of each source in steps ``0 .. step-1``."""

@@ -202,7 +202,7 @@ class MixedDataset(IterableDataset):
         m = np.asarray(ms, dtype=np.int64)
         steps = self.epoch * self.steps_per_epoch + m // k
         first = int(steps.min())
-        counts, starts = (np.asarray(x, dtype=np.int64) for x in self.mix.span(first, int(steps.max()) - first + 1))
+        counts, starts = self.mix.span(first, int(steps.max()) - first + 1)
         ends = np.cumsum(counts, axis=1)
         at = (steps - first)[:, None]  # ms increase: their steps are first, first + 1, ...
         orders = np.stack([self._order(s, g) for s in range(first, int(steps.max()) + 1)])
