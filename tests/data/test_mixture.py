@@ -248,3 +248,32 @@ def test_a_span_of_whole_quotas_in_closed_form_equals_the_walk(trial):
         fast.position(first)
     )
     assert fast._cache == slow._cache[: len(fast._cache)] and len(fast._cache) >= first // 1024
+
+
+def test_text_flag_and_null_columns_arrive_with_their_rows(tmp_path):
+    """Columns NumPy has no view of (text, booleans, a number with nulls) go through Arrow's gather: every row's
+    values still match its (shard, index)."""
+    paths = []
+    for j, sizes in enumerate(([7, 9], [6])):
+        with DatasetWriter(tmp_path / f"s{j}", provenance={"pipeline_version": "1"}) as w:
+            for s, n in enumerate(sizes):
+                key = [f"{j}/{s}/{i}" for i in range(n)]
+                y = pa.array([None if i % 4 == 0 else float(i) for i in range(n)], type=pa.float64())
+                w.write_shard(pa.table({"key": key, "flag": [i % 2 == 0 for i in range(n)], "y": y}))
+        paths.append(tmp_path / f"s{j}")
+    ds = mixed(paths, [2, 1], B=3, window=2)
+    seen = 0
+    for mb in ds:
+        for src, shard, index, key, flag, y in zip(
+            mb["source"].tolist(),
+            mb["shard"].tolist(),
+            mb["index"].tolist(),
+            mb["key"],
+            mb["flag"],
+            mb["y"],
+            strict=True,
+        ):
+            assert key == f"{src}/{shard - (5 if src else 0)}/{index}" and flag == (index % 2 == 0)
+            assert (y != y) if index % 4 == 0 else y == index  # NaN where null
+            seen += 1
+    assert seen == len(ds) * 3

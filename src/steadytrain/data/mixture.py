@@ -72,6 +72,23 @@ def _place(out: dict[str, Any], cols: dict[str, Any], dest: np.ndarray, rows: np
             have[d] = col[r].tolist() if isinstance(col, np.ndarray) else col[r]
 
 
+def _view(chunk: pa.Array) -> np.ndarray | None:
+    """A numeric chunk (or a fixed-size list of numbers) as a NumPy view of its memory; None when there is none."""
+    try:
+        if pa.types.is_fixed_size_list(chunk.type) and chunk.null_count == 0:
+            return chunk.flatten().to_numpy(zero_copy_only=True).reshape(len(chunk), chunk.type.list_size)
+        return chunk.to_numpy(zero_copy_only=True)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, NotImplementedError):
+        return None
+
+
+def perm_inverse(perm: np.ndarray) -> np.ndarray:
+    """Where each row goes: ``inverse[perm[i]] = i``."""
+    inverse = np.empty(len(perm), dtype=np.int64)
+    inverse[perm] = np.arange(len(perm))
+    return inverse
+
+
 def _runs(values: np.ndarray) -> Iterator[tuple[int, int, int]]:
     """``(value, start, stop)`` of each run of equal values of a sorted array."""
     cuts = np.flatnonzero(values[1:] != values[:-1]) + 1
@@ -135,6 +152,7 @@ class MixedDataset(IterableDataset):
         self.epoch, self.micro = 0, 0
         self._windows: dict[tuple[int, int], tuple[list[list[int]], np.ndarray]] = {}
         self._table: dict[int, tuple[tuple[int, int], Any]] = {}  # per source: its last window, converted
+        self._buffers: dict[tuple[int, str], np.ndarray] = {}  # per source and column: the window's memory
         self._block: tuple[int, np.ndarray] | None = None  # the last block of steps' orders drawn
 
     def _check_columns(self) -> None:
@@ -259,13 +277,34 @@ class MixedDataset(IterableDataset):
         if cached is None or cached[0] != (epoch, wi):
             table = self.readers[j]._load_window(shards)
             perm = self._permutation(j, epoch, wi, shards)
-            table = table.take(pa.array(perm)) if perm is not None else table.combine_chunks()
-            cols = to_arrays(table.select(self.readers[0].columns.reference()[1].names))
-            cols["shard"] = table.column("shard").to_numpy() + self.offsets[j]
-            cols["index"] = table.column("index").to_numpy()
+            names = [*self.readers[0].columns.reference()[1].names, "shard", "index"]
+            inverse = perm_inverse(perm) if perm is not None else None
+            cols = {name: self._permuted(j, name, table.column(name), inverse) for name in names}
+            if any(c is None for c in cols.values()):  # a column NumPy cannot view: one Arrow gather of them all
+                taken = table.take(pa.array(perm)) if perm is not None else table.combine_chunks()
+                cols = to_arrays(taken.select(names))
+            cols["shard"] = cols["shard"] + self.offsets[j]
             cols["source"] = np.full(table.num_rows, j, dtype=np.int64)
             cached = self._table[j] = ((epoch, wi), cols)
         return cached[1]
+
+    def _permuted(self, j: int, name: str, col: pa.ChunkedArray, inverse: np.ndarray | None) -> np.ndarray | None:
+        """Column ``name`` of source ``j``'s window in stream order (``inverse``: where each row read goes; None: as
+        read), scattered from the decoded shards into a buffer
+        this reader keeps per source and column (memory already touched: a fresh gather's page faults cost as much
+        as the gather); None for a column without a NumPy view (text, nulls, booleans)."""
+        views = [_view(c) for c in col.chunks]
+        if not views or any(v is None for v in views):
+            return None
+        n, shape, dtype = len(col), views[0].shape[1:], views[0].dtype
+        buf = self._buffers.get((j, name))
+        if buf is None or len(buf) < n or buf.shape[1:] != shape or buf.dtype != dtype:
+            buf = self._buffers[(j, name)] = np.empty((n, *shape), dtype)
+        out, a = buf[:n], 0
+        for v in views:
+            out[inverse[a : a + len(v)] if inverse is not None else slice(a, a + len(v))] = v
+            a += len(v)
+        return out
 
     def micro_batch_shards(self, m: int) -> list[int]:
         """The mixture shard ids micro-batch ``m`` of this rank's epoch reads (for messages; reads no data)."""
