@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from steadytrain.diagnose import mixture, read_ledger, report
+from steadytrain.diagnose import read_ledger, report
 from steadytrain.diagnose.ledger import dataset_bounds
 from steadytrain.errors import UserError
 from tests.cli_utils import in_process
@@ -248,12 +248,6 @@ def test_dataset_bounds_of_a_mixture_whose_source_is_gone_or_grew_are_unknown(tm
     assert dataset_bounds(run) == {0: 3, 1: 5, 2: 2}
     shutil.rmtree(tmp_path / "code")
     assert dataset_bounds(run) is None
-
-
-def test_the_sources_file_name_is_the_data_layers():
-    from steadytrain.data import sourcemap
-
-    assert mixture.SOURCES_FILE == sourcemap.SOURCES_FILE
 
 
 # --- triage ---------------------------------------------------------------------------------------------------

@@ -206,10 +206,7 @@ class MixCounts:
     def block(self, step: int) -> tuple[list[int], list[int]]:
         """``(counts, first stream positions)`` of ``step``: source ``j``'s examples in it are its stream positions
         ``[first_j, first_j + counts_j)`` (with ``sizes``: within one epoch of the source)."""
-        taken, carried, passed = self._state_at(step)
-        counts = self._step(step, list(carried))
-        self._pass_over(counts, taken, passed)
-        return counts, [t + p for t, p in zip(taken, passed, strict=True)]
+        return self._advance(step, *self._state_at(step))  # on copies of the state: the state stays
 
     def position(self, step: int) -> list[int]:
         """Each source's stream position before ``step`` (examples taken and passed over)."""

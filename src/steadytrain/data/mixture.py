@@ -43,6 +43,7 @@ from steadytrain.data.format import DatasetError
 from steadytrain.data.mixing import MixCounts
 from steadytrain.data.order import GlobalLayout, epoch_windows, window_permutation
 from steadytrain.data.policy import PolicyCounts
+from steadytrain.data.sourcemap import mixture_fingerprint
 from steadytrain.data.transform import Transform, apply_transform
 from steadytrain.errors import UserError
 
@@ -148,7 +149,7 @@ class MixedDataset(IterableDataset):
         self.steps_per_epoch = max(1, math.floor(self.sizes[self.largest] / share))
         self.dropped_per_epoch = 0
         self.shard_ids = sorted(o + s for o, r in zip(offsets, readers, strict=True) for s in r.shard_ids)
-        self.fingerprint = "mix(" + ";".join(f"{n}={r.fingerprint}" for n, r in zip(names, readers, strict=True)) + ")"
+        self.fingerprint = mixture_fingerprint([(n, r.fingerprint) for n, r in zip(names, readers, strict=True)])
         self.epoch, self.micro = 0, 0
         self._windows: dict[tuple[int, int], tuple[list[list[int]], np.ndarray]] = {}
         self._table: dict[int, tuple[tuple[int, int], Any]] = {}  # per source: its last window, converted
@@ -271,8 +272,7 @@ class MixedDataset(IterableDataset):
 
     def _window(self, j: int, epoch: int, wi: int, shards: list[int]) -> dict[str, Any]:
         """Source ``j``'s window ``wi`` of ``epoch``, its rows in the order its stream reads them, converted once
-        (arrays and lists, with mixture shard ids and ``source``): one gather per window, as the single-source
-        reader makes; each chunk then copies its rows out of it, in order."""
+        (arrays and lists, with mixture shard ids and ``source``); each chunk then copies its rows out of it."""
         cached = self._table.get(j)
         if cached is None or cached[0] != (epoch, wi):
             table = self.readers[j]._load_window(shards)
@@ -290,9 +290,9 @@ class MixedDataset(IterableDataset):
 
     def _permuted(self, j: int, name: str, col: pa.ChunkedArray, inverse: np.ndarray | None) -> np.ndarray | None:
         """Column ``name`` of source ``j``'s window in stream order (``inverse``: where each row read goes; None: as
-        read), scattered from the decoded shards into a buffer
-        this reader keeps per source and column (memory already touched: a fresh gather's page faults cost as much
-        as the gather); None for a column without a NumPy view (text, nulls, booleans)."""
+        read), scattered from the decoded shards into a buffer this reader keeps per source and column (memory
+        already touched: a fresh gather's page faults cost as much as the gather); None for a column without a NumPy
+        view (text, nulls, booleans)."""
         views = [_view(c) for c in col.chunks]
         if not views or any(v is None for v in views):
             return None

@@ -22,9 +22,20 @@ from steadytrain._io import load_json
 from steadytrain._text import brief
 from steadytrain.errors import UserError
 
-__all__ = ["SOURCES_FILE", "SourceMap", "SourceSpan", "read_sources"]
+__all__ = ["SOURCES_FILE", "SOURCES_FIX", "SourceMap", "SourceSpan", "mixture_fingerprint", "read_sources"]
 
 SOURCES_FILE = "sources.json"
+SOURCES_FIX = "the file is damaged: restore it from the run's checkpoint directory or remove it"
+
+
+def mixture_fingerprint(parts: list[tuple[str, str]]) -> str:
+    """A mixture's fingerprint from its sources' names and fingerprints, in order (``data.json``, reader states).
+
+    Example:
+        >>> mixture_fingerprint([("web", "ab12"), ("code", "cd34")])
+        'mix(web=ab12;code=cd34)'
+    """
+    return "mix(" + ";".join(f"{name}={fp}" for name, fp in parts) + ")"
 
 
 @dataclass(frozen=True)
@@ -111,7 +122,6 @@ def read_sources(run_dir: str | Path) -> SourceMap | None:
     if not path.is_file():
         return None
     data = load_json(path, what="mixture sources")
-    fix = "the file is damaged: restore it from the run's checkpoint directory or remove it"
     try:
         spans = [
             SourceSpan(
@@ -132,4 +142,4 @@ def read_sources(run_dir: str | Path) -> SourceMap | None:
             raise ValueError("exposure is not a mapping")
         return SourceMap(spans, list(data.get("schedule") or []), data.get("largest"), exposure)
     except (KeyError, TypeError, ValueError) as err:
-        raise UserError(f"{path}: {brief(str(err))} is wrong in it: {fix}") from None
+        raise UserError(f"{path}: {brief(str(err))} is wrong in it: {SOURCES_FIX}") from None

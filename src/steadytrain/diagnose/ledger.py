@@ -25,7 +25,8 @@ from steadytrain._check import check_int, check_type
 from steadytrain._io import append_jsonl, brief, load_json, read_jsonl
 from steadytrain.accumulate import NonFiniteEvent
 from steadytrain.accumulate.events import REASONS
-from steadytrain.diagnose.mixture import mixture_bounds, run_sources
+from steadytrain.data.sourcemap import read_sources
+from steadytrain.diagnose.mixture import mixture_bounds
 from steadytrain.errors import UserError
 
 __all__ = [
@@ -326,7 +327,7 @@ def dataset_bounds(run_dir: str | Path) -> dict[int, int] | None:
     Raises:
         UserError: ``data.json`` or ``sources.json`` is not JSON (or not of its shape).
     """
-    if (sources := run_sources(run_dir)) is not None:
+    if (sources := read_sources(run_dir)) is not None:
         return mixture_bounds(sources)
     path = Path(run_dir) / "data.json"
     if not path.is_file():

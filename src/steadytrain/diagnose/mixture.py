@@ -12,19 +12,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from steadytrain.data.sourcemap import SOURCES_FILE, SourceMap, read_sources
+from steadytrain.data.sourcemap import SourceMap
 from steadytrain.errors import UserError
 
-__all__ = ["SOURCES_FILE", "in_mixture", "mixture_bounds", "run_sources", "shard_name", "source_keys", "sources_phrase"]
-
-
-def run_sources(run_dir: str | Path) -> SourceMap | None:
-    """The run's sources (:func:`steadytrain.data.sourcemap.read_sources`); None for a single-source run.
-
-    Raises:
-        UserError: ``sources.json`` is not JSON or not of its shape.
-    """
-    return read_sources(run_dir)
+__all__ = ["in_mixture", "mixture_bounds", "shard_name", "source_keys", "sources_phrase"]
 
 
 def shard_name(sources: SourceMap | None, shard: int) -> str:

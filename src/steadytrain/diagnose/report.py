@@ -32,9 +32,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from steadytrain.accumulate import NonFiniteEvent
+from steadytrain.data.sourcemap import read_sources
 from steadytrain.diagnose.layers import attribution_sentence, read_layers, spike_layers
 from steadytrain.diagnose.ledger import LEDGER, SPIKES, dataset_bounds, read_exposure, read_ledger
-from steadytrain.diagnose.mixture import run_sources, shard_name, source_keys, sources_phrase
+from steadytrain.diagnose.mixture import shard_name, source_keys, sources_phrase
 from steadytrain.diagnose.stats import binomial_sf
 from steadytrain.errors import UserError
 
@@ -278,7 +279,7 @@ def report(run_dir: str | Path, ledger: str = LEDGER) -> NonFiniteReport:
         raise UserError(f"{run_dir}: no such run directory")
     if ledger not in _WORDS:
         raise UserError(f"ledger={ledger!r}: use {LEDGER} or {SPIKES}")
-    rep = _report(run_dir, ledger, run_sources(run_dir))
+    rep = _report(run_dir, ledger, read_sources(run_dir))
     if ledger == SPIKES:
         rep.layers = spike_layers(read_layers(run_dir), rep.steps)
         if said := attribution_sentence(rep.layers):

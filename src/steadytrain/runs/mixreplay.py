@@ -29,7 +29,7 @@ class MixtureReplay:
 
     def __init__(self, cfg: TrainConfig, global_batch_size: int) -> None:
         self.cfg, self.global_batch_size = cfg, global_batch_size
-        self.mix: Mixture = mixture_holdout(cfg, global_batch_size)
+        self.mix: Mixture = mixture_holdout(cfg)
         self._ds: MixedDataset | None = None
 
     def batch(self, b: int) -> dict[str, Any]:

@@ -19,14 +19,13 @@ from typing import Any
 
 from steadytrain._check import check_finite, check_int, check_type
 from steadytrain._text import brief, md
-from steadytrain.data.sourcemap import SOURCES_FILE, SourceMap, read_sources
+from steadytrain.data.sourcemap import SOURCES_FILE, SOURCES_FIX, SourceMap, read_sources
 from steadytrain.errors import UserError
 from steadytrain.rundir.schema import METRICS_FIX
 from steadytrain.runs.record import RunRecord
 from steadytrain.schedule import MAX_COUNT
 
 __all__ = [
-    "SOURCES_FILE",
     "SourceRow",
     "load_mixture",
     "mixture_rows",
@@ -36,7 +35,6 @@ __all__ = [
     "summary_lines",
 ]
 
-SOURCES_FIX = "the file is damaged: restore it from the run's checkpoint directory or remove it"
 DASH = "—"
 """A value the run did not record (a source with no ``loss/<name>`` yet, no exposure)."""
 

@@ -82,7 +82,8 @@ def _config(rec: RunRecord, notes: list[str]) -> Any:
 
 
 def _check_data(rec: RunRecord, cfg: Any, notes: list[str]) -> None:
-    from steadytrain.train.job.files import describe_data, mixture_fingerprint
+    from steadytrain.data.sourcemap import mixture_fingerprint
+    from steadytrain.train.job.files import describe_data
     from steadytrain.train.setup.pieces import data_path
 
     recorded = (rec.data or {}).get("fingerprint")

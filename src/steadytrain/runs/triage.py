@@ -43,10 +43,11 @@ from steadytrain._io import load_json
 from steadytrain._text import brief
 from steadytrain.accumulate.events import NONFINITE_NORM
 from steadytrain.data import open_dataset
+from steadytrain.data.sourcemap import read_sources
 from steadytrain.diagnose import read_ledger, report
 from steadytrain.diagnose.hunt import step_batch, take_rows
 from steadytrain.diagnose.ledger import LEDGER
-from steadytrain.diagnose.mixture import run_sources, shard_name, source_keys, sources_phrase
+from steadytrain.diagnose.mixture import shard_name, source_keys, sources_phrase
 from steadytrain.diagnose.ranks import flagged_examples, host_key, read_hosts
 from steadytrain.errors import UserError
 from steadytrain.rundir.layout import RunDir, open_run_dir
@@ -141,7 +142,7 @@ def triage(run_dir: str | Path, step: int) -> Triage:
     replays.append({"variant": "repeat", "loss": again[0], "finite": again[1], "bitwise_equal": same})
     hosts = read_hosts(run.path, LEDGER)  # the step's own lines: a rank's host may have changed during the run
     seen = sorted({hosts[k] for e in events if e.rank in ranks and (k := host_key(step, e)) in hosts})
-    return _name_sources(_verdict(step, replays, ranks, seen, settings.note), run_sources(run.path), shards, examples)
+    return _name_sources(_verdict(step, replays, ranks, seen, settings.note), read_sources(run.path), shards, examples)
 
 
 def _name_sources(found: Triage, sources: SourceMap | None, shards: set[int], examples: set[tuple[int, int]]) -> Triage:
@@ -187,7 +188,7 @@ def _same_batch(run_dir: Path, data: Path, step: int, events: list, pairs: list[
 def _fingerprints(run_dir: Path, data: Path) -> list[tuple[Path, str | None, str]]:
     """``(dataset, fingerprint the run recorded or None, where)`` of each dataset the run read: ``data``
     (``data.json``), or every source of a mixture (``sources.json``)."""
-    sources = run_sources(run_dir)
+    sources = read_sources(run_dir)
     if sources is not None:
         return [(Path(s.path), s.fingerprint or None, f"sources.json (source '{s.name}')") for s in sources.spans]
     info = load_json(run_dir / "data.json", what="data description") if (run_dir / "data.json").is_file() else {}

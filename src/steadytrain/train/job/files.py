@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from steadytrain._io import load_json, rewrite_jsonl, write_text_atomic
 from steadytrain._text import md
 from steadytrain._yamlio import load_yaml
-from steadytrain.data.sourcemap import SOURCES_FILE, SourceMap
+from steadytrain.data.sourcemap import SOURCES_FILE, SourceMap, mixture_fingerprint
 from steadytrain.errors import UserError
 from steadytrain.rundir.layout import RunDir, claim_run_dir, lock_run, open_run_dir
 from steadytrain.rundir.schema import check_plan, read_metrics, read_resumes
@@ -148,11 +148,6 @@ def describe_data(
         "outliers": {str(k): {f: list(v) for f, v in d.items()} for k, d in sorted(odd.items())[:max_odd]},
         "outliers_total": len(odd),
     }
-
-
-def mixture_fingerprint(parts: list[tuple[str, str]]) -> str:
-    """A mixture's data fingerprint (``data.json``): its sources' names and dataset fingerprints, in order."""
-    return "mix(" + ";".join(f"{name}={fp}" for name, fp in parts) + ")"
 
 
 def describe_mixture(sources: SourceMap, validation: str | None = None) -> dict[str, Any]:

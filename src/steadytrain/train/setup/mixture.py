@@ -69,7 +69,7 @@ def _weights(cfg: TrainConfig) -> tuple[list[Fraction], list[tuple[int, list[Fra
     return first, later
 
 
-def mixture_holdout(cfg: TrainConfig, global_batch_size: int) -> Mixture:
+def mixture_holdout(cfg: TrainConfig) -> Mixture:
     """Open every source (one line naming the source when one is not a dataset, holds out all of itself, or is
     another source's data again) and hold out its validation part."""
     names, paths, offsets, ids, held, offset, seen = [], [], [], [], [], 0, {}
@@ -135,19 +135,13 @@ def build_mixture(
 
 
 def mixture_evalset(cfg: TrainConfig, mix: Mixture, info: DistInfo, training: MixedDataset) -> MixedEvalSet | None:
-    """This rank's validation examples of every source that holds some out (None: none does)."""
-    b = cfg.eval.micro_batch_size or cfg.batch.micro_batch_size
-    parts = []
-    for j, held in enumerate(mix.held):
-        if held.empty:
-            continue
-        part = EvalSet(
-            mix.paths[j], shards=held.shards, rank=info.dp_rank, world_size=info.dp_size, batch_size=b,
-            max_examples=cfg.eval.max_batches * b if cfg.eval.max_batches else None, schema=load_schema(cfg),
-            policy=cfg.data.policy, rows=held.rows,
-        )  # fmt: skip
-        part.check_fits(training.readers[j])
-        parts.append((j, part))
+    """This rank's validation examples of every source that holds some out (None: none does): each source's as a
+    single-source run's (:func:`~steadytrain.train.setup.pieces.build_evalset`), checked against its reader."""
+    parts = [
+        (j, part)
+        for j, (path, held, reader) in enumerate(zip(mix.paths, mix.held, training.readers, strict=True))
+        if (part := build_evalset(cfg, path, held.shards, info, reader, rows=held.rows)) is not None
+    ]
     return MixedEvalSet(parts, mix.names, mix.offsets) if parts else None
 
 
@@ -160,7 +154,7 @@ def training_data(
         held = holdout(cfg, path, global_batch_size)
         ds = build_dataset(cfg, path, info, accumulation_steps, held.shards, rows=held.training_rows)
         return ds, held, None
-    mix = mixture_holdout(cfg, global_batch_size)
+    mix = mixture_holdout(cfg)
     ds = build_mixture(cfg, mix, info, accumulation_steps)
     total = cfg.run.max_steps or ds.steps_per_epoch * cfg.run.epochs
     if late := [e.step for e in cfg.data.mix_schedule or () if e.step > total]:
