@@ -277,3 +277,31 @@ def test_text_flag_and_null_columns_arrive_with_their_rows(tmp_path):
             assert (y != y) if index % 4 == 0 else y == index  # NaN where null
             seen += 1
     assert seen == len(ds) * 3
+
+
+def single_stream(path, j, epochs):
+    """Source ``j``'s stream as one dataset read alone (``BatchedDataset``, its own seed): ``x`` of each position."""
+    ds = BatchedDataset(path, batch_size=1, seed=source_seed(SEED, j), shuffle_window=2)
+    out = []
+    for e in range(epochs):
+        ds.set_epoch(e)
+        out += [int(mb["x"][0]) for mb in ds]
+    return out
+
+
+@pytest.mark.parametrize("chunk", ["default", "one micro-batch"])
+def test_each_step_takes_the_next_examples_of_each_source_read_alone(sources, monkeypatch, chunk):
+    """Step ``s`` holds source ``j``'s stream positions ``[first, first + count)`` (``MixCounts.block``) of the order
+    a one-dataset reader gives it; chunks of one micro-batch (every region slides and restarts) read the same."""
+    import steadytrain.data.mixture as mixture
+
+    if chunk != "default":
+        monkeypatch.setattr(mixture, "_CHUNK_ROWS", (1, 1))
+    ds = mixed(sources, [3, 1], K=2, B=4)
+    per_step = steps(ds, 30)
+    streams = [single_stream(p, j, 8) for j, p in enumerate(sources)]
+    for s in range(30):
+        counts, firsts = ds.mix.block(s)
+        for j in range(2):
+            want = streams[j][firsts[j] : firsts[j] + counts[j]]
+            assert sorted(x for src, _, x in per_step[s] if src == j) == sorted(want), (s, j)

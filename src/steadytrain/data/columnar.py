@@ -20,7 +20,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
-__all__ = ["concat_columns", "split_columns", "to_arrays", "to_columns"]
+__all__ = ["concat_columns", "numpy_view", "split_columns", "to_arrays", "to_columns"]
 
 _NUMERIC = (pa.types.is_integer, pa.types.is_floating, pa.types.is_boolean)
 
@@ -83,6 +83,17 @@ def _via_dictionary(col: pa.ChunkedArray | pa.Array) -> list:
         return arr.to_pylist()
     values = np.array([*arr.dictionary.to_pylist(), None], dtype=object)[:-1]  # never a 2-D array of tuples
     return values[arr.indices.to_numpy(zero_copy_only=False)].tolist()
+
+
+def numpy_view(chunk: pa.Array) -> np.ndarray | None:
+    """A numeric chunk (or a fixed-size list of numbers) as a read-only NumPy view of its memory (``[rows, size]``
+    for a list); None when there is none (text, nulls, booleans: :func:`to_arrays` converts those)."""
+    try:
+        if pa.types.is_fixed_size_list(chunk.type) and chunk.null_count == 0:
+            return chunk.flatten().to_numpy(zero_copy_only=True).reshape(len(chunk), chunk.type.list_size)
+        return chunk.to_numpy(zero_copy_only=True)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, NotImplementedError):
+        return None
 
 
 def to_arrays(table: pa.Table) -> dict[str, Any]:

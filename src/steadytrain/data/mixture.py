@@ -15,13 +15,15 @@ Shards are numbered in one id space (:mod:`steadytrain.data.sourcemap`): source 
 interface of :class:`~steadytrain.data.batched.BatchedDataset`; its "epoch" here is a stretch of
 ``steps_per_epoch`` steps: the steps one pass over the largest-weighted source takes at its initial weight.
 
-Reading: each source's window is read, put in its stream order (one gather) and converted once (one cached window
-per source); a rank plans a chunk of its micro-batches at once and copies each of their examples once, from its
-source's window into its place, then slices micro-batches out of the chunk.
+Reading (:mod:`steadytrain.data.arena`): each source's windows are copied as read into its region of one array per
+column, with a map from stream position to row; a rank plans a chunk of its micro-batches at once (about 4 MiB of
+rows, ending with a step), gathers each column's rows of the chunk in one ``np.take``, and slices micro-batches out
+of it.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import itertools
 import logging
@@ -31,13 +33,13 @@ from fractions import Fraction
 from typing import Any
 
 import numpy as np
-import pyarrow as pa
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from steadytrain._io import brief
+from steadytrain.data.arena import Piece, StreamArena
 from steadytrain.data.batched import BatchedDataset, position_state, resume_position
-from steadytrain.data.columnar import split_columns, to_arrays
+from steadytrain.data.columnar import numpy_view, split_columns, to_arrays
 from steadytrain.data.columns import schema_differences
 from steadytrain.data.format import DatasetError
 from steadytrain.data.mixing import MixCounts
@@ -51,43 +53,9 @@ __all__ = ["MixedDataset", "source_seed"]
 
 log = logging.getLogger(__name__)
 
-_CHUNK_ROWS = 4096  # rows of this rank read and converted together
+_CHUNK_BYTES = 4 << 20  # a chunk of this rank's rows, gathered together: about this much memory
+_CHUNK_ROWS = (1024, 16384)  # its rows: the first chunk's (its row size is not known yet), and at most
 _BLOCK = 64  # steps whose orders are drawn together
-
-
-def _place(out: dict[str, Any], cols: dict[str, Any], dest: np.ndarray, rows: np.ndarray, n: int) -> None:
-    """Copy ``cols``' ``rows`` to rows ``dest`` of ``out`` (``n`` rows, made on first use). A column converted
-    unalike in two windows (nulls read as NaN in one) is widened to hold both: a wider dtype, or a list."""
-    for name, col in cols.items():
-        have = out.get(name)
-        if have is None:
-            have = out[name] = np.empty((n, *col.shape[1:]), col.dtype) if isinstance(col, np.ndarray) else [None] * n
-        if isinstance(have, np.ndarray) and isinstance(col, np.ndarray) and have.shape[1:] == col.shape[1:]:
-            if not np.can_cast(col.dtype, have.dtype, casting="safe"):
-                have = out[name] = have.astype(np.result_type(have.dtype, col.dtype))
-            have[dest] = col[rows]
-            continue
-        if isinstance(have, np.ndarray):
-            have = out[name] = have.tolist()
-        for d, r in zip(dest.tolist(), rows.tolist(), strict=True):
-            have[d] = col[r].tolist() if isinstance(col, np.ndarray) else col[r]
-
-
-def _view(chunk: pa.Array) -> np.ndarray | None:
-    """A numeric chunk (or a fixed-size list of numbers) as a NumPy view of its memory; None when there is none."""
-    try:
-        if pa.types.is_fixed_size_list(chunk.type) and chunk.null_count == 0:
-            return chunk.flatten().to_numpy(zero_copy_only=True).reshape(len(chunk), chunk.type.list_size)
-        return chunk.to_numpy(zero_copy_only=True)
-    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, NotImplementedError):
-        return None
-
-
-def perm_inverse(perm: np.ndarray) -> np.ndarray:
-    """Where each row goes: ``inverse[perm[i]] = i``."""
-    inverse = np.empty(len(perm), dtype=np.int64)
-    inverse[perm] = np.arange(len(perm))
-    return inverse
 
 
 def _runs(values: np.ndarray) -> Iterator[tuple[int, int, int]]:
@@ -152,8 +120,8 @@ class MixedDataset(IterableDataset):
         self.fingerprint = mixture_fingerprint([(n, r.fingerprint) for n, r in zip(names, readers, strict=True)])
         self.epoch, self.micro = 0, 0
         self._windows: dict[tuple[int, int], tuple[list[list[int]], np.ndarray]] = {}
-        self._table: dict[int, tuple[tuple[int, int], Any]] = {}  # per source: its last window, converted
-        self._buffers: dict[tuple[int, str], np.ndarray] = {}  # per source and column: the window's memory
+        self._row_bytes: int | None = None  # bytes of a gathered row (known after the first chunk)
+        self._arena = StreamArena(len(names))  # each source's rows a chunk wants, in stream order
         self._block: tuple[int, np.ndarray] | None = None  # the last block of steps' orders drawn
 
     def _check_columns(self) -> None:
@@ -224,7 +192,7 @@ class MixedDataset(IterableDataset):
         counts, starts = self.mix.span(first, int(steps.max()) - first + 1)
         ends = np.cumsum(counts, axis=1)
         at = (steps - first)[:, None]  # ms increase: their steps are first, first + 1, ...
-        orders = np.stack([self._order(s, g) for s in range(first, int(steps.max()) + 1)])
+        orders = self._orders(first, int(steps.max()) - first + 1, g)
         a = (self.rank * k + m % k) * b
         slots = orders[at, a[:, None] + np.arange(b)]  # [micro-batches, B]
         src = np.zeros(slots.shape, dtype=np.int64)  # the source whose run of the step's slots holds each slot
@@ -233,14 +201,21 @@ class MixedDataset(IterableDataset):
         pos = starts[at, src] + slots - (ends - counts)[at, src]
         return src.ravel(), pos.ravel()
 
-    def _order(self, step: int, g: int) -> np.ndarray:
-        """Step ``step``'s order of its ``g`` slots: row ``step % 64`` of its block of 64 steps' orders, drawn
-        together from ``(seed, step // 64)`` (one generator per 64 steps, not per step)."""
-        block = step // _BLOCK
-        if self._block is None or self._block[0] != block:
-            rng = np.random.default_rng([self.seed, block, 3])
-            self._block = block, rng.permuted(np.tile(np.arange(g), (_BLOCK, 1)), axis=1)
-        return self._block[1][step % _BLOCK]
+    def _orders(self, first: int, n: int, g: int) -> np.ndarray:
+        """The orders of the ``g`` slots of steps ``first`` to ``first + n - 1`` (``[n, g]``): step ``s``'s is row
+        ``s % 64`` of its block of 64 steps' orders, drawn together from ``(seed, s // 64)`` (one generator per 64
+        steps, not per step)."""
+        parts, s = [], first
+        while s < first + n:
+            block = s // _BLOCK
+            if self._block is None or self._block[0] != block:
+                rng = np.random.default_rng([self.seed, block, 3])
+                self._block = block, rng.permuted(np.tile(np.arange(g), (_BLOCK, 1)), axis=1)
+            a = s % _BLOCK
+            b = min(_BLOCK, a + first + n - s)
+            parts.append(self._block[1][a:b])
+            s += b - a
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
     def _epoch_windows(self, j: int, epoch: int) -> tuple[list[list[int]], np.ndarray]:
         """Source ``j``'s windows of ``epoch`` and the stream offset (within the epoch) where each ends."""
@@ -270,41 +245,48 @@ class MixedDataset(IterableDataset):
             for wi, c, d in _runs(np.searchsorted(bounds, off, side="right")):
                 yield e, wi, windows[wi], np.arange(a + c, a + d), off[c:d] - (bounds[wi - 1] if wi else 0)
 
-    def _window(self, j: int, epoch: int, wi: int, shards: list[int]) -> dict[str, Any]:
-        """Source ``j``'s window ``wi`` of ``epoch``, its rows in the order its stream reads them, converted once
-        (arrays and lists, with mixture shard ids and ``source``); each chunk then copies its rows out of it."""
-        cached = self._table.get(j)
-        if cached is None or cached[0] != (epoch, wi):
-            table = self.readers[j]._load_window(shards)
-            perm = self._permutation(j, epoch, wi, shards)
-            names = [*self.readers[0].columns.reference()[1].names, "shard", "index"]
-            inverse = perm_inverse(perm) if perm is not None else None
-            cols = {name: self._permuted(j, name, table.column(name), inverse) for name in names}
-            if any(c is None for c in cols.values()):  # a column NumPy cannot view: one Arrow gather of them all
-                taken = table.take(pa.array(perm)) if perm is not None else table.combine_chunks()
-                cols = to_arrays(taken.select(names))
-            cols["shard"] = cols["shard"] + self.offsets[j]
-            cols["source"] = np.full(table.num_rows, j, dtype=np.int64)
-            cached = self._table[j] = ((epoch, wi), cols)
-        return cached[1]
+    def _window_at(self, j: int, position: int) -> tuple[int, int, list[int], int]:
+        """``(epoch, window, its shards, its first stream position)`` of the window holding source ``j``'s stream
+        ``position``."""
+        n = self.sizes[j]
+        epoch, off = divmod(position, n)
+        windows, bounds = self._epoch_windows(j, epoch)
+        wi = int(np.searchsorted(bounds, off, side="right"))
+        return epoch, wi, windows[wi], epoch * n + (int(bounds[wi - 1]) if wi else 0)
 
-    def _permuted(self, j: int, name: str, col: pa.ChunkedArray, inverse: np.ndarray | None) -> np.ndarray | None:
-        """Column ``name`` of source ``j``'s window in stream order (``inverse``: where each row read goes; None: as
-        read), scattered from the decoded shards into a buffer this reader keeps per source and column (memory
-        already touched: a fresh gather's page faults cost as much as the gather); None for a column without a NumPy
-        view (text, nulls, booleans)."""
-        views = [_view(c) for c in col.chunks]
-        if not views or any(v is None for v in views):
-            return None
-        n, shape, dtype = len(col), views[0].shape[1:], views[0].dtype
-        buf = self._buffers.get((j, name))
-        if buf is None or len(buf) < n or buf.shape[1:] != shape or buf.dtype != dtype:
-            buf = self._buffers[(j, name)] = np.empty((n, *shape), dtype)
-        out, a = buf[:n], 0
-        for v in views:
-            out[inverse[a : a + len(v)] if inverse is not None else slice(a, a + len(v))] = v
-            a += len(v)
-        return out
+    def _fill(self, j: int, lo: int, hi: int) -> None:
+        """Make source ``j``'s region of the arena hold its stream positions ``lo`` to ``hi`` (whole windows)."""
+        arena = self._arena
+        if not arena.holds(j, lo):
+            arena.restart(j, self._window_at(j, lo)[3])
+        arena.keep_from(j, lo)
+        while arena.stop[j] <= hi:
+            epoch, wi, shards, _ = self._window_at(j, int(arena.stop[j]))
+            n, columns = self._window_columns(j, epoch, wi, shards)
+            arena.append(j, n, columns, self._permutation(j, epoch, wi, shards))
+
+    def _window_columns(self, j: int, epoch: int, wi: int, shards: list[int]) -> tuple[int, dict[str, list[Piece]]]:
+        """Source ``j``'s window ``wi`` of ``epoch`` as read: its rows and, per column, the pieces that hold them
+        (each decoded shard's memory, copied once into the arena; converted first where NumPy has no view of it:
+        text, nulls, booleans), with mixture shard ids and a ``source`` column."""
+        table = self.readers[j]._load_window(shards)
+        n = table.num_rows
+        columns: dict[str, list[Piece]] = {}
+        unviewed = []
+        for name in [*self.readers[0].columns.reference()[1].names, "shard", "index"]:
+            views = [numpy_view(c) for c in table.column(name).chunks]
+            if not views or any(v is None for v in views):
+                unviewed.append(name)
+                continue
+            pieces, a = [], 0
+            for v in views:
+                pieces.append((v + self.offsets[j] if name == "shard" else v, slice(a, a + len(v))))
+                a += len(v)
+            columns[name] = pieces
+        if unviewed:
+            columns.update({k: [(v, slice(0, n))] for k, v in to_arrays(table.select(unviewed)).items()})
+        columns["source"] = [(np.full(n, j, dtype=np.int64), slice(0, n))]
+        return n, columns
 
     def micro_batch_shards(self, m: int) -> list[int]:
         """The mixture shard ids micro-batch ``m`` of this rank's epoch reads (for messages; reads no data)."""
@@ -323,18 +305,22 @@ class MixedDataset(IterableDataset):
     # -- reading --------------------------------------------------------------------------------------------------
 
     def _chunk(self, ms: list[int]) -> Iterator[tuple[int, dict[str, Any]]]:
-        """``(m, columns)`` of micro-batches ``ms``: each example copied once, from its source's converted window
-        into its place in the chunk."""
+        """``(m, columns)`` of micro-batches ``ms``: the sources' regions filled, then one gather per column."""
         src, pos = self._slots(ms)
-        out: dict[str, Any] = {}
         for j in np.flatnonzero(np.bincount(src, minlength=len(self.names))):
-            mine = np.flatnonzero(src == j)
-            order = np.argsort(pos[mine], kind="stable")
-            dest = mine[order]
-            for e, wi, shards, sel, rows in self._locate(int(j), pos[mine][order]):
-                _place(out, self._window(int(j), e, wi, shards), dest[sel], rows, len(src))
+            mine = pos[src == j]
+            self._fill(int(j), int(mine.min()), int(mine.max()))
+        out = self._arena.gather(src, pos)
+        self._row_bytes = sum(v.nbytes if isinstance(v, np.ndarray) else 8 * len(v) for v in out.values()) // len(pos)
         cols = {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in out.items()}
         yield from zip(ms, split_columns(cols, [self.layout.batch_size] * len(ms)), strict=True)
+
+    def _chunk_rows(self) -> int:
+        """Rows of the next chunk: about ``_CHUNK_BYTES`` of the rows gathered so far (4 MiB: 16k rows of 128
+        tokens, 256 rows of 4096 int32 tokens), within ``_CHUNK_ROWS``."""
+        if self._row_bytes is None:
+            return _CHUNK_ROWS[0]
+        return int(min(_CHUNK_ROWS[1], max(1, _CHUNK_BYTES // max(1, self._row_bytes))))
 
     def iter_numbered(self) -> Iterator[tuple[int, dict[str, Any]]]:
         """``(micro-batch number, micro-batch)`` of this rank's remaining micro-batches (in a DataLoader worker,
@@ -342,9 +328,13 @@ class MixedDataset(IterableDataset):
         worker = get_worker_info()
         wid, nworkers = (worker.id, worker.num_workers) if worker is not None else (0, 1)
         mine = list(range(self.micro + wid, len(self), nworkers))
-        per = max(1, _CHUNK_ROWS // self.layout.batch_size)
-        for i in range(0, len(mine), per):
-            for m, cols in self._chunk(mine[i : i + per]):
+        i, k = 0, self.layout.accumulation_steps
+        while i < len(mine):
+            end = mine[i] + max(1, self._chunk_rows() // self.layout.batch_size)
+            end = max(end - end % k, mine[i] + 1)  # a chunk ends with a step where it can: the counts continue
+            stop = bisect.bisect_left(mine, end, lo=i)
+            ms, i = mine[i:stop], stop
+            for m, cols in self._chunk(ms):
                 if self.transform is not None:
                     where = f"micro-batch {m} of epoch {self.epoch} (shards {torch.unique(cols['shard']).tolist()})"
                     cols = apply_transform(self.transform, cols, where)
