@@ -21,7 +21,7 @@ import numpy as np
 
 __all__ = ["Piece", "StreamArena"]
 
-Piece = tuple[Any, "np.ndarray | slice"]  # (values: an array or a list, the rows of the new block they go to)
+Piece = tuple[Any, int]  # (values: an array or a list, the row of the new block the first of them goes to)
 
 
 def _objects(values: Any) -> np.ndarray:
@@ -74,14 +74,11 @@ class StreamArena:
                 self._compact(j, live)
         row = int(self.base[j] + self.stop[j] - self.first[j])
         for name, pieces in columns.items():
-            for values, dest in pieces:
+            for values, at in pieces:
                 col = self._fit(name, values)
                 if col.dtype == object and not (isinstance(values, np.ndarray) and values.dtype == object):
                     values = _objects(values)
-                if isinstance(dest, slice):
-                    col[row + dest.start : row + dest.stop] = values
-                else:
-                    col[row + dest] = values
+                col[row + at : row + at + len(values)] = values
         self.rowmap[row : row + n] = row + (order if order is not None else np.arange(n))
         self.blocks[j].append(int(self.stop[j]))
         self.stop[j] += n

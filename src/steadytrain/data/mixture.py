@@ -280,12 +280,12 @@ class MixedDataset(IterableDataset):
                 continue
             pieces, a = [], 0
             for v in views:
-                pieces.append((v + self.offsets[j] if name == "shard" else v, slice(a, a + len(v))))
+                pieces.append((v + self.offsets[j] if name == "shard" else v, a))
                 a += len(v)
             columns[name] = pieces
         if unviewed:
-            columns.update({k: [(v, slice(0, n))] for k, v in to_arrays(table.select(unviewed)).items()})
-        columns["source"] = [(np.full(n, j, dtype=np.int64), slice(0, n))]
+            columns.update({k: [(v, 0)] for k, v in to_arrays(table.select(unviewed)).items()})
+        columns["source"] = [(np.full(n, j, dtype=np.int64), 0)]
         return n, columns
 
     def micro_batch_shards(self, m: int) -> list[int]:
