@@ -7,6 +7,7 @@ must reproduce; example identity is ``(shard, index)`` of rows whose values name
 from __future__ import annotations
 
 import collections
+import math
 import random
 from fractions import Fraction as F
 
@@ -279,9 +280,9 @@ def test_text_flag_and_null_columns_arrive_with_their_rows(tmp_path):
     assert seen == len(ds) * 3
 
 
-def single_stream(path, j, epochs):
+def single_stream(path, j, epochs, window=2):
     """Source ``j``'s stream as one dataset read alone (``BatchedDataset``, its own seed): ``x`` of each position."""
-    ds = BatchedDataset(path, batch_size=1, seed=source_seed(SEED, j), shuffle_window=2)
+    ds = BatchedDataset(path, batch_size=1, seed=source_seed(SEED, j), shuffle_window=window)
     out = []
     for e in range(epochs):
         ds.set_epoch(e)
@@ -296,7 +297,7 @@ def test_each_step_takes_the_next_examples_of_each_source_read_alone(sources, mo
     import steadytrain.data.mixture as mixture
 
     if chunk != "default":
-        monkeypatch.setattr(mixture, "_CHUNK_ROWS", (1, 1))
+        monkeypatch.setattr(mixture, "_CHUNK_ROWS", 1)
     ds = mixed(sources, [3, 1], K=2, B=4)
     per_step = steps(ds, 30)
     streams = [single_stream(p, j, 8) for j, p in enumerate(sources)]
@@ -305,3 +306,69 @@ def test_each_step_takes_the_next_examples_of_each_source_read_alone(sources, mo
         for j in range(2):
             want = streams[j][firsts[j] : firsts[j] + counts[j]]
             assert sorted(x for src, _, x in per_step[s] if src == j) == sorted(want), (s, j)
+
+
+def test_a_chunk_holds_about_chunk_bytes_of_rows_and_ends_with_a_step(sources, monkeypatch):
+    """Rows here are 32 bytes (x, shard, index, source: int64 each): a budget of 16 rows gives chunks of 4
+    micro-batches of 4 (two steps of K=2); the first chunk, before a row's size is known, is one step."""
+    import steadytrain.data.mixture as mixture
+
+    monkeypatch.setattr(mixture, "_CHUNK_BYTES", 16 * 32)
+    ds = mixed(sources, [3, 1], K=2, B=4)
+    sizes = []
+    plan = ds._chunk
+    monkeypatch.setattr(ds, "_chunk", lambda ms: (sizes.append(list(ms)), plan(ms))[1])
+    assert sum(1 for _ in ds) == len(ds)
+    whole, rest = divmod(len(ds) - 2, 4)
+    assert [len(ms) for ms in sizes] == [2] + [4] * whole + ([rest] if rest else [])
+    assert all(ms[-1] % 2 == 1 for ms in sizes)  # each ends with a step's last micro-batch
+
+
+def _random_mixture(tmp_path, rng):
+    """A random accepted mixture: two sources of random shards, a window, weights, a layout ``(W, K, B)``."""
+    while True:
+        root = tmp_path / str(rng.random())
+        paths = [
+            _write(root / name, [rng.randint(1, 9) for _ in range(rng.randint(1, 6))], base)
+            for name, base in (("big", 0), ("small", 100_000))
+        ]
+        window, layout = rng.randint(1, 3), rng.choice([(1, 1, 3), (2, 2, 1), (2, 1, 2), (4, 1, 1)])
+        weights = [F(rng.randint(1, 5)), F(rng.randint(1, 5))]
+
+        def build(batch_size, accumulation_steps=1, rank=0, world_size=1, paths=paths, window=window, w=weights):
+            readers = [
+                BatchedDataset(p, batch_size=1, seed=source_seed(SEED, j), shuffle_window=window)
+                for j, p in enumerate(paths)
+            ]
+            return MixedDataset(
+                ["big", "small"], readers, [0, len(readers[0].shard_ids)], w, seed=SEED, batch_size=batch_size,
+                accumulation_steps=accumulation_steps, rank=rank, world_size=world_size,
+            )  # fmt: skip
+
+        try:
+            build(math.prod(layout))
+        except UserError:  # a source smaller than its share of a step: refused (tested above)
+            continue
+        return paths, window, layout, build
+
+
+@pytest.mark.parametrize("trial", range(6))
+def test_random_mixtures_take_each_source_in_its_own_order(tmp_path, monkeypatch, trial):
+    """Random shard sizes, windows, weights (carried shares, examples passed over at epoch ends), layouts and chunk
+    budgets: on every rank, step ``s``'s examples of each source are its next ones read alone, and the ranks
+    together hold the one-rank step."""
+    import steadytrain.data.mixture as mixture
+
+    rng = random.Random(trial)
+    paths, window, (W, K, B), build = _random_mixture(tmp_path, rng)
+    monkeypatch.setattr(mixture, "_CHUNK_BYTES", 32 * rng.randint(1, 40))
+    one, n = build(W * K * B), 25
+    ref = steps(one, n)
+    ranks = [steps(build(B, K, r, W), n) for r in range(W)]
+    streams = [single_stream(p, j, n * W * K * B // one.sizes[j] + 2, window) for j, p in enumerate(paths)]
+    for s in range(n):
+        assert [e for r in ranks for e in r[s]] == ref[s], s
+        counts, firsts = one.mix.block(s)
+        for j in range(2):
+            want = streams[j][firsts[j] : firsts[j] + counts[j]]
+            assert sorted(x for src, _, x in ref[s] if src == j) == sorted(want), (s, j)
