@@ -372,3 +372,20 @@ def test_random_mixtures_take_each_source_in_its_own_order(tmp_path, monkeypatch
         for j in range(2):
             want = streams[j][firsts[j] : firsts[j] + counts[j]]
             assert sorted(x for src, _, x in ref[s] if src == j) == sorted(want), (s, j)
+
+
+def test_a_column_with_nulls_in_one_source_only_keeps_every_value(tmp_path):
+    """``y`` is int64 without nulls in source 0 and has nulls in source 1 (read as float64 with NaN): both arrive
+    in one column wide enough for both, each row's value exact (2**40 + i is exact in float64)."""
+    paths = []
+    for j, n in enumerate((23, 11)):
+        with DatasetWriter(tmp_path / f"s{j}", provenance={"pipeline_version": "1"}) as w:
+            y = pa.array([None if j and i % 3 == 0 else 2**40 + i for i in range(n)], type=pa.int64())
+            w.write_shard(pa.table({"y": y}))
+        paths.append(tmp_path / f"s{j}")
+    seen = 0
+    for mb in mixed(paths, [2, 1], B=3, window=1):
+        for src, index, y in zip(mb["source"].tolist(), mb["index"].tolist(), mb["y"].tolist(), strict=True):
+            assert (y != y) if src and index % 3 == 0 else y == 2**40 + index  # NaN where null
+            seen += 1
+    assert seen > 20
