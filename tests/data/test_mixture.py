@@ -265,6 +265,7 @@ def test_text_flag_and_null_columns_arrive_with_their_rows(tmp_path):
     ds = mixed(paths, [2, 1], B=3, window=2)
     seen = 0
     for mb in ds:
+        assert list(mb) == ["key", "flag", "y", "shard", "index", "source"]  # the dataset's order, whatever the path
         for src, shard, index, key, flag, y in zip(
             mb["source"].tolist(),
             mb["shard"].tolist(),

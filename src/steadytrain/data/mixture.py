@@ -121,7 +121,7 @@ class MixedDataset(IterableDataset):
         self.epoch, self.micro = 0, 0
         self._windows: dict[tuple[int, int], tuple[list[list[int]], np.ndarray]] = {}
         self._row_bytes: int | None = None  # bytes of a gathered row (known after the first chunk)
-        self._arena = StreamArena(len(names))  # each source's rows a chunk wants, in stream order
+        self._arena = StreamArena(len(names))  # each source's windows a chunk wants, found by stream position
         self._block: tuple[int, np.ndarray] | None = None  # the last block of steps' orders drawn
 
     def _check_columns(self) -> None:
@@ -271,9 +271,10 @@ class MixedDataset(IterableDataset):
         text, nulls, booleans), with mixture shard ids and a ``source`` column."""
         table = self.readers[j]._load_window(shards)
         n = table.num_rows
+        names = [*self.readers[0].columns.reference()[1].names, "shard", "index"]
         columns: dict[str, list[Piece]] = {}
         unviewed = []
-        for name in [*self.readers[0].columns.reference()[1].names, "shard", "index"]:
+        for name in names:
             views = [numpy_view(c) for c in table.column(name).chunks]
             if not views or any(v is None for v in views):
                 unviewed.append(name)
@@ -286,7 +287,7 @@ class MixedDataset(IterableDataset):
         if unviewed:
             columns.update({k: [(v, 0)] for k, v in to_arrays(table.select(unviewed)).items()})
         columns["source"] = [(np.full(n, j, dtype=np.int64), 0)]
-        return n, columns
+        return n, {name: columns[name] for name in [*names, "source"]}  # the columns in the dataset's order
 
     def micro_batch_shards(self, m: int) -> list[int]:
         """The mixture shard ids micro-batch ``m`` of this rank's epoch reads (for messages; reads no data)."""
