@@ -219,6 +219,14 @@ def test_micro_batch_shards_names_mixture_ids(sources):
         assert ds.micro_batch_shards(m) == sorted(set(mb["shard"].tolist()))
 
 
+def test_micro_batch_shards_over_two_epochs_on_rank_1_of_2(sources):
+    ds = mixed(sources, [3, 1], W=2, K=2, B=2, rank=1, window=3)
+    for epoch in (0, 1):
+        ds.set_epoch(epoch)
+        for m, mb in ds.iter_numbered():
+            assert ds.micro_batch_shards(m) == sorted(set(mb["shard"].tolist())), (epoch, m)
+
+
 def test_background_workers_hand_over_the_in_process_order(sources):
     from steadytrain.data import MicroBatchLoader
 
@@ -249,6 +257,24 @@ def test_a_span_of_whole_quotas_in_closed_form_equals_the_walk(trial):
         fast.position(first)
     )
     assert fast._cache == slow._cache[: len(fast._cache)] and len(fast._cache) >= first // 1024
+
+
+@pytest.mark.parametrize("trial", range(4))
+def test_spans_that_start_again_inside_the_last_one_equal_the_walk(trial):
+    """Readers whose chunks end inside a step ask for that step again (and a seek goes back): every span, from
+    whichever remembered state it continues, equals each step asked of a fresh count (carried shares included)."""
+    rng = random.Random(trial)
+    weights, g = [F(rng.randint(1, 5)) for _ in range(3)], rng.choice([7, 8, 64])
+    sizes = [rng.randint(2 * g, 6 * g) for _ in range(3)]
+    counts = MixCounts(weights, global_batch_size=g, seed=trial, sizes=sizes)
+    first = 0
+    for _ in range(60):
+        n = rng.randint(1, 40)
+        got = counts.span(first, n)
+        fresh = MixCounts(weights, global_batch_size=g, seed=trial, sizes=sizes)
+        want = [fresh.block(s) for s in range(first, first + n)]
+        assert got[0].tolist() == [c for c, _ in want] and got[1].tolist() == [f for _, f in want], (first, n)
+        first = max(0, first + n - rng.choice([0, 1, 1, 2, n, 3 * n]))  # on, one step back, or further back
 
 
 def test_text_flag_and_null_columns_arrive_with_their_rows(tmp_path):

@@ -86,7 +86,7 @@ class MixCounts:
         self._fresh = set(self.starts[1:])  # a schedule entry starts its weights afresh: nothing carried into it
         zero = ([0] * self.n, [0] * self.n, [0] * self.n)
         self._cache: list[tuple[list[int], ...]] = [zero]  # (taken, carried, passed over) every 1024 steps
-        self._last: tuple[int, tuple[list[int], ...]] = (0, zero)  # the last step asked for
+        self._marks: list[tuple[int, tuple[list[int], ...]]] = [(0, zero)]  # the states of the last 2 steps asked for
 
     def _segment(self, step: int) -> list[int]:
         i = 0
@@ -128,13 +128,18 @@ class MixCounts:
         check_int("step", step, 0)
         k = min(step // _CACHE_EVERY, len(self._cache) - 1)
         first, state = k * _CACHE_EVERY, self._cache[k]
-        if first <= self._last[0] <= step:  # readers ask for steps in order: continue from the last one
-            first, state = self._last
+        for mark, kept in self._marks:  # readers ask in order (again for a step a chunk ended in): continue from there
+            if first <= mark <= step:
+                first, state = mark, kept
         taken, carried, passed = (list(x) for x in state)
         for s in range(first, step):
             self._advance(s, taken, carried, passed)
-        self._last = (step, (list(taken), list(carried), list(passed)))
+        self._mark(step, taken, carried, passed)
         return taken, carried, passed
+
+    def _mark(self, step: int, *state: list[int]) -> None:
+        """Remember the state before ``step`` (with the one remembered before it)."""
+        self._marks = [*self._marks[-1:], (step, tuple(list(x) for x in state))]
 
     def _advance(self, s: int, taken: list[int], carried: list[int], passed: list[int]) -> tuple[list[int], list[int]]:
         """Step ``s``: ``(counts, first stream positions)`` as :meth:`block`; the state moved past it (in place),
@@ -157,7 +162,7 @@ class MixCounts:
         if steady is None:
             rows = [self._advance(s, taken, carried, passed) for s in range(first, first + n)]
             steady = np.array([c for c, _ in rows], dtype=np.int64), np.array([f for _, f in rows], dtype=np.int64)
-        self._last = (first + n, (list(taken), list(carried), list(passed)))
+        self._mark(first + n, taken, carried, passed)
         return steady
 
     def _steady(

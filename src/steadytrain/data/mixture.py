@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import itertools
 import logging
 import math
 from collections.abc import Iterator
@@ -56,14 +55,6 @@ log = logging.getLogger(__name__)
 _CHUNK_BYTES = 4 << 20  # a chunk of this rank's rows, gathered together: about this much memory
 _CHUNK_ROWS = 16384  # at most this many rows (the first chunk is one step: the size of a row is not known yet)
 _BLOCK = 64  # steps whose orders are drawn together
-
-
-def _runs(values: np.ndarray) -> Iterator[tuple[int, int, int]]:
-    """``(value, start, stop)`` of each run of equal values of a sorted array."""
-    cuts = np.flatnonzero(values[1:] != values[:-1]) + 1
-    bounds = [0, *cuts.tolist(), len(values)]
-    for a, b in itertools.pairwise(bounds):
-        yield int(values[a]), a, b
 
 
 def source_seed(seed: int, j: int) -> int:
@@ -234,17 +225,6 @@ class MixedDataset(IterableDataset):
         n = sum(r._rows[s] for s in shards)
         return window_permutation(n, seed=r.seed, epoch=epoch, window_index=wi, shuffle=r.shuffle)
 
-    def _locate(self, j: int, positions: np.ndarray) -> Iterator[tuple[int, int, list[int], np.ndarray, np.ndarray]]:
-        """``(epoch, window, its shards, which of positions, their places in the window's stream order)`` of
-        source ``j``'s stream ``positions`` (increasing), window by window."""
-        n = self.sizes[j]
-        epochs = positions // n
-        for e, a, b in _runs(epochs):  # sorted: runs of one epoch, then of one window
-            off = positions[a:b] % n
-            windows, bounds = self._epoch_windows(j, e)
-            for wi, c, d in _runs(np.searchsorted(bounds, off, side="right")):
-                yield e, wi, windows[wi], np.arange(a + c, a + d), off[c:d] - (bounds[wi - 1] if wi else 0)
-
     def _window_at(self, j: int, position: int) -> tuple[int, int, list[int], int]:
         """``(epoch, window, its shards, its first stream position)`` of the window holding source ``j``'s stream
         ``position``."""
@@ -292,15 +272,16 @@ class MixedDataset(IterableDataset):
     def micro_batch_shards(self, m: int) -> list[int]:
         """The mixture shard ids micro-batch ``m`` of this rank's epoch reads (for messages; reads no data)."""
         src, pos = self._slots([m])
+        windows: dict[tuple[int, int, int], tuple[Any, np.ndarray, list[int]]] = {}
         out: set[int] = set()
-        for j in np.unique(src):
-            r, p = self.readers[j], np.sort(pos[src == j])
-            for e, wi, shards, _, rows in self._locate(int(j), p):
-                perm = self._permutation(int(j), e, wi, shards)
-                rows = perm[rows] if perm is not None else rows
-                sizes = np.cumsum([r._rows[s] for s in shards])
-                ids = np.asarray(shards)[np.searchsorted(sizes, rows, side="right")]
-                out.update((ids + self.offsets[j]).tolist())
+        for j, p in zip(src.tolist(), pos.tolist(), strict=True):
+            epoch, wi, shards, start = self._window_at(j, p)
+            if (j, epoch, wi) not in windows:
+                ends = np.cumsum([self.readers[j]._rows[s] for s in shards])
+                windows[(j, epoch, wi)] = self._permutation(j, epoch, wi, shards), ends, shards
+            perm, ends, shards = windows[(j, epoch, wi)]
+            row = perm[p - start] if perm is not None else p - start
+            out.add(shards[int(np.searchsorted(ends, row, side="right"))] + self.offsets[j])
         return sorted(out)
 
     # -- reading --------------------------------------------------------------------------------------------------
@@ -332,7 +313,7 @@ class MixedDataset(IterableDataset):
         i, k = 0, self.layout.accumulation_steps
         while i < len(mine):
             end = mine[i] + max(1, self._chunk_rows() // self.layout.batch_size)
-            end = max(end - end % k, mine[i] + 1)  # a chunk ends with a step where it can: the counts continue
+            end = max(end - end % k, mine[i] + 1)  # a chunk ends with a step where it can: no step planned twice
             stop = bisect.bisect_left(mine, end, lo=i)
             ms, i = mine[i:stop], stop
             for m, cols in self._chunk(ms):
