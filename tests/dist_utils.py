@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import socket
 import subprocess
 import time
@@ -58,8 +59,35 @@ def spawn_all(tmp_path: Path, jobs: dict[str, tuple], world_size: int = 2) -> di
     return {name: tmp_path / name for name in jobs}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def free_port() -> int:
+    """A port on 127.0.0.1 that nothing listens on, outside the kernel's ephemeral range.
+
+    A port the kernel hands out (``bind`` to port 0) goes back to the pool for every outgoing connection: the gloo
+    pairs of the ranks a parallel test worker runs take ports from it all the time, so a rendezvous port picked that
+    way may be taken by the time its command starts (EADDRINUSE). Below the range only explicit binds land; a random
+    one checked free collides with another worker's pick only if both choose the same one of ~10,000 ports at once.
+    """
+    low, _ = _ephemeral_range()
+    start = 20000 if low > 21000 else 1024
+    span = max(low - start, 1000)
+    rng = random.Random()  # not the tests' seeded generators: two workers must not draw the same ports
+    for _ in range(200):
+        port = start + rng.randrange(span)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # every draw taken: the kernel's pick, as before
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
@@ -99,7 +127,7 @@ def cli_on_ranks(
     out = tmp_path / "cli-ranks"
     out.mkdir(parents=True, exist_ok=True)
     commands = [argv if callable(argv) else [str(a) for a in argv] for argv in commands]
-    ports = [_free_port() for _ in commands]
+    ports = [free_port() for _ in commands]
     mp.spawn(_cli_entry, args=(world_size, str(out), commands, ports, env), nprocs=world_size, join=True)
     results = []
     for i, argv in enumerate(commands):
@@ -152,7 +180,7 @@ def train_on_ranks(tmp_path: Path, runs: list[tuple[Path, Path]], world_size: in
     out = tmp_path / "train-ranks"
     out.mkdir(parents=True, exist_ok=True)
     runs = [(str(config), str(run_dir)) for config, run_dir in runs]
-    ports = [_free_port() for _ in runs]
+    ports = [free_port() for _ in runs]
     mp.spawn(_train_entry, args=(world_size, str(out), runs, ports), nprocs=world_size, join=True)
     return [
         [json.loads((out / f"train-{i}-rank{r}.json").read_text())["error"] for r in range(world_size)]

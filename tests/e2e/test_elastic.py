@@ -12,7 +12,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.dist_utils import free_port
 from tests.train_utils import bigram_module, metrics, train, write_text_dataset
 
 pytestmark = pytest.mark.distributed
@@ -71,12 +71,6 @@ def job(tmp_path_factory) -> dict:
     return {"pkg": pkg, "config": config, "ref": ref}
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _agent(job: dict, run: Path, port: int, out: Path, **env: str) -> subprocess.Popen:
     """One torchrun agent of the elastic job (the exact line of docs/training.md, on this machine)."""
     argv = [
@@ -124,7 +118,7 @@ def _same_run(run: Path, ref: Path) -> None:
 
 
 def test_a_node_killed_mid_run_the_survivor_finishes_alone_with_every_step_once(job, tmp_path):
-    run, port, gate = tmp_path / "run", _port(), tmp_path / "gate"
+    run, port, gate = tmp_path / "run", free_port(), tmp_path / "gate"
     gate.mkdir()
     outs = [tmp_path / "a.txt", tmp_path / "b.txt"]
     gated = {"GATE_DIR": str(gate), "GATE_AT": "11"}  # rank 1's first forward of step 6: checkpoint 4 is written
@@ -153,7 +147,7 @@ def test_a_node_killed_mid_run_the_survivor_finishes_alone_with_every_step_once(
 
 
 def test_a_node_that_joins_grows_the_job_back_to_two(job, tmp_path):
-    run, port = tmp_path / "run", _port()
+    run, port = tmp_path / "run", free_port()
     outs = [tmp_path / "a.txt", tmp_path / "b.txt"]
     slow = {"SLOW_S": "0.3"}  # 1.2 s a step on one rank: time for the second agent to join
     a = _agent(job, run, port, outs[0], **slow)

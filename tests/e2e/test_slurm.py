@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.dist_utils import free_port
 from tests.train_utils import EXE, metrics, write_text_dataset
 
 REPO = Path(__file__).resolve().parents[2]
@@ -430,7 +431,7 @@ def test_killed_requeued_stopped_requeued_again_equals_one_nproc_run(slurm, tmp_
     config.parent.mkdir()
     config.write_text(_CONFIG.format(data=json.dumps(str(data))))
     extra = ["--set", "run.seed=3"]
-    env = {"PYTHONPATH": str(pkg), "RDZV_PORT": str(_free_port())}
+    env = {"PYTHONPATH": str(pkg), "RDZV_PORT": str(free_port())}
 
     ref = tmp_path / "ref"
     proc = subprocess.run(
@@ -492,11 +493,3 @@ def test_killed_requeued_stopped_requeued_again_equals_one_nproc_run(slurm, tmp_
     resumes = [json.loads(line) for line in (run / "resumes.jsonl").read_text().splitlines()]
     assert [r["step"] for r in resumes] == stopped_at
     assert _losses(run) == straight  # the same world size and accumulation: bit for bit
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]

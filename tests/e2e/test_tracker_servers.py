@@ -24,6 +24,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from steadytrain.train.observe.backends import _HTTP_LIMITS, Wandb
+from tests.dist_utils import free_port
 from tests.train.test_trackers import (
     _close,
     _expected,
@@ -32,7 +33,6 @@ from tests.train.test_trackers import (
     _mlflow_metrics,
     _offline,
     _rows,
-    free_port,
 )
 from tests.train_utils import run_cli, sets, write_text_dataset
 

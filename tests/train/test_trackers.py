@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import socket
 import subprocess
 import sys
 from collections import Counter
@@ -30,6 +29,7 @@ from steadytrain.train.observe.trackers import start_trackers
 from steadytrain.train.setup.config import load_config
 from steadytrain.train.setup.distributed import DistInfo
 from tests.cli_utils import launched
+from tests.dist_utils import free_port
 from tests.train_utils import TINY, run_cli, sets, write_text_dataset
 
 ALL = "run.trackers=[tensorboard,wandb,mlflow]"
@@ -68,13 +68,6 @@ def _train(
     proc = run_one("train", *args, *(("--run-dir", str(run)) if not args else ()), *sets(*items), **env)
     assert proc.returncode == code, proc.stderr[-3000:]
     return proc
-
-
-def free_port() -> int:
-    """A port on 127.0.0.1 nobody serves (a connection to it is refused)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _offline(tmp: Path, wandb_dir: str | None) -> dict[str, str]:

@@ -10,7 +10,6 @@ import json
 import math
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +19,7 @@ import pytest
 import torch
 
 from steadytrain.train.checkpoint.catalog import load_checkpoint
-from tests.dist_utils import cli_on_ranks
+from tests.dist_utils import cli_on_ranks, free_port
 from tests.train_utils import TINY, metrics, run_cli, sets, write_text_dataset
 
 SMALL = [*TINY, "run.log_every=2"]
@@ -199,12 +198,6 @@ def test_resume_of_a_directory_without_checkpoints_is_a_clean_error(tmp_path):
 # --- torchrun: DDP, FSDP2, two nodes, unequal shards -------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def one_rank(tmp_path_factory, text_data) -> Path:
     run_dir = tmp_path_factory.mktemp("one") / "run"
@@ -254,7 +247,7 @@ def test_two_ranks_give_the_layer_norms_of_one_rank(two_ranks, one_rank, strateg
 
 @pytest.mark.distributed
 def test_two_nodes_on_one_machine_complete(tmp_path, text_data, one_rank):
-    port, run_dir = _free_port(), tmp_path / "nodes"
+    port, run_dir = free_port(), tmp_path / "nodes"
     args = ["--run-dir", str(run_dir), *sets(*SMALL, f"data.path={text_data}", "run.max_steps=6")]
     launch = [
         "--nnodes",
