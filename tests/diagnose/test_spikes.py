@@ -243,7 +243,7 @@ def test_a_damaged_spike_ledger_is_one_line_naming_the_key(tmp_path):
 
 
 def test_the_batch_a_step_trained_on_after_rollbacks():
-    from steadytrain.diagnose.hunt import batch_of
+    from steadytrain.diagnose.batches import batch_of
 
     # batches 3 and 4 passed over: steps 1..3 train 0..2, then 5, 6, ...
     assert [batch_of(s, [4, 3]) for s in range(1, 7)] == [0, 1, 2, 5, 6, 7]

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from steadytrain.data import DatasetWriter
-from steadytrain.diagnose.hunt import step_batch
+from steadytrain.diagnose.batches import step_batch
 from steadytrain.runs.replay import run_model
 from tests.cli_utils import assert_user_error
 from tests.train_utils import TINY, copy_run, evals, metrics, run_cli, sets, train

@@ -29,23 +29,16 @@ import pyarrow as pa
 import torch
 from torch import Tensor, nn
 
-from steadytrain.data import (
-    BatchedDataset,
-    check_table,
-    global_batch,
-    healthy_shards,
-    infer_schema,
-    open_dataset,
-    provenance_differences,
-)
+from steadytrain.data import check_table, healthy_shards, infer_schema, open_dataset, provenance_differences
 from steadytrain.diagnose._hooks import Probe
+from steadytrain.diagnose.batches import shard_batch, step_batch, take_rows
 from steadytrain.diagnose.ledger import LEDGER, SPIKES, check_shard_read, dataset_bounds, read_ledger
 from steadytrain.diagnose.mixture import in_mixture
 from steadytrain.diagnose.outliers import REFERENCE_SHARDS, example_losses, loss_outliers
 from steadytrain.diagnose.settings import ReplaySettings
 from steadytrain.errors import UserError
 
-__all__ = ["HuntReport", "Loader", "batch_of", "hunt", "step_batch", "take_rows"]
+__all__ = ["HuntReport", "Loader", "hunt"]
 
 log = logging.getLogger("steadytrain.diagnose")
 
@@ -109,15 +102,6 @@ class HuntReport:
             key, (mine, major) = next(iter(self.provenance_diff.items()))
             head += f"; its {key} is {mine!r} where the majority of shards have {major!r}"
         return head
-
-
-def take_rows(batch: dict[str, Any], rows: np.ndarray) -> dict[str, Any]:
-    """The examples ``rows`` (positions, ascending) of ``batch``: every field, tensors and lists alike."""
-    if len(rows) and rows[-1] - rows[0] + 1 == len(rows):  # a contiguous run (the sweep's chunks): views
-        a, b = int(rows[0]), int(rows[-1]) + 1
-        return {k: v[a:b] for k, v in batch.items()}
-    idx = torch.from_numpy(rows)
-    return {k: v[idx] if isinstance(v, Tensor) else [v[i] for i in rows] for k, v in batch.items()}
 
 
 def _to(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
@@ -205,14 +189,6 @@ def _sweep(
         if found:
             return found, runner.first_module, "backward" if backward else "forward"
     return [], None, None
-
-
-def _shard_batch(settings: ReplaySettings, shard: int) -> dict[str, Any]:
-    """The shard's rows as the run loaded them (after its load-time policy), in file order, as one batch."""
-    common = {"shards": [shard], "shuffle": False, "schema": settings.schema, "policy": settings.policy}
-    rows = len(BatchedDataset(settings.data, batch_size=1, **common))  # rows the policy keeps
-    transform = settings.transform  # the run's data.transform, as training applied it
-    return global_batch(settings.data, 0, global_batch_size=rows, seed=0, transform=transform, **common)
 
 
 def _json_value(value: Any) -> Any:
@@ -343,7 +319,7 @@ def _hunt_in(net, settings: ReplaySettings, kind: str, shard, step, chunk, bisec
     ds = open_dataset(settings.data)
     if shard is not None:
         ds.shard(shard)  # a DatasetError naming the known ids
-    batch = _shard_batch(settings, shard) if step is None else step_batch(settings, step)
+    batch = shard_batch(settings, shard) if step is None else step_batch(settings, step)
     chunk = chunk or max(settings.micro_batch_size, MIN_CHUNK)
     if kind == "spike":
         rows, limit = _spike_rows(net, ds, batch, settings, shard, chunk)
@@ -360,42 +336,9 @@ def _spike_rows(net, ds, batch, settings: ReplaySettings, shard, chunk) -> tuple
     refs = [s for s in healthy_shards(ds) if s != shard and s in train][:REFERENCE_SHARDS]
     if not refs:
         raise UserError(f"no healthy shard besides shard {shard} to compare its examples' losses with")
-    reference = np.concatenate([example_losses(net, _shard_batch(settings, s), chunk) for s in refs])
+    reference = np.concatenate([example_losses(net, shard_batch(settings, s), chunk) for s in refs])
     rows, limit = loss_outliers(example_losses(net, batch, chunk), reference, **settings.spike_rule)
     return rows.tolist(), limit
-
-
-def batch_of(step: int, skipped: list[int]) -> int:
-    """The global batch (0-based) optimizer ``step`` trained on: the ``step``-th of those not ``skipped`` (spike
-    rollbacks pass batches over, so later steps train on later batches).
-
-    Example:
-        >>> batch_of(41, []), batch_of(41, [40]), batch_of(39, [40]), batch_of(42, [40, 41])
-        (40, 41, 38, 43)
-    """
-    b = step - 1
-    for x in sorted(skipped):
-        if x <= b:
-            b += 1
-    return b
-
-
-def step_batch(settings: ReplaySettings, step: int) -> dict[str, Any]:
-    """The global batch optimizer ``step`` (1-based) trained on, rollbacks' skipped batches accounted for."""
-    if settings.mixture is not None:
-        return settings.mixture.batch(batch_of(step, settings.skipped_batches))
-    return global_batch(
-        settings.data,
-        batch_of(step, settings.skipped_batches),
-        global_batch_size=settings.global_batch_size,
-        seed=settings.seed,
-        shuffle_window=settings.shuffle_window,
-        shards=settings.shards,
-        schema=settings.schema,
-        policy=settings.policy,
-        transform=settings.transform,
-        rows=settings.rows,  # records held out for validation: never in a step
-    )
 
 
 def _report(ds, batch, rows, first, stage, shard, step, settings, net) -> HuntReport:

@@ -45,7 +45,7 @@ from steadytrain.accumulate.events import NONFINITE_NORM
 from steadytrain.data import open_dataset
 from steadytrain.data.sourcemap import read_sources
 from steadytrain.diagnose import read_ledger, report
-from steadytrain.diagnose.hunt import step_batch, take_rows
+from steadytrain.diagnose.batches import step_batch, take_rows
 from steadytrain.diagnose.ledger import LEDGER
 from steadytrain.diagnose.mixture import shard_name, source_keys, sources_phrase
 from steadytrain.diagnose.ranks import flagged_examples, host_key, read_hosts
