@@ -73,7 +73,7 @@ def free_port() -> int:
     A port the kernel hands out (``bind`` to port 0) goes back to the pool for every outgoing connection: the gloo
     pairs of the ranks a parallel test worker runs take ports from it all the time, so a rendezvous port picked that
     way may be taken by the time its command starts (EADDRINUSE). Below the range only explicit binds land; a random
-    one checked free collides with another worker's pick only if both choose the same one of ~10,000 ports at once.
+    one checked free collides with another worker's pick only if both choose the same one of ~12,000 ports at once.
     """
     low, _ = _ephemeral_range()
     start = 20000 if low > 21000 else 1024
