@@ -52,11 +52,11 @@ def item_loss(model, x, y):
     return (model(x) - y).pow(2).mean(dim=1)
 
 
-def reference(use_items: bool, world_size: int = 2) -> list[torch.Tensor]:
-    """One process, one plain SGD step per cycle over every item of every rank."""
+def reference(use_items: bool, world_size: int = 2, cycles: tuple[int, ...] = (0, 1)) -> list[torch.Tensor]:
+    """One process, one plain SGD step per cycle (of ``cycles``) over every item of every rank."""
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-    for c in range(len(SIZES)):
+    for c in cycles:
         total = 0.0
         for r in range(world_size):
             for (x, y), size in zip(chunks(c, r), SIZES[c][r], strict=True):
@@ -78,6 +78,9 @@ def runs(tmp_path_factory):
     """Each test's workers, run one after another on the same two ranks; name -> its output folder."""
     jobs = {f"ddp-{u}": (ddp_worker, u, -1) for u in (True, False)}
     jobs["ddp-nan"] = (ddp_worker, True, 1)
+    # rank 1's micro-batch 1 of cycle 0: a NaN loss whose gradients are finite (a detached NaN term)
+    jobs |= {f"ddp-nanloss-{u}": (ddp_worker, u, -1, 1) for u in (True, False)}
+    jobs["fsdp-nanloss"] = (fsdp_worker, False, 1)
     jobs |= {f"partial-{w}": (ddp_partial_worker, w) for w in (True, False)}
     jobs |= {f"fsdp-{p}": (fsdp_worker, p) for p in (False, True)}
     return spawn_all(tmp_path_factory.mktemp("accumulate-ranks"), jobs)
@@ -89,7 +92,12 @@ def counting_hook(state, bucket):
     return fut.then(lambda f: f.value()[0])
 
 
-def ddp_worker(rank, world_size, out, use_items, poison_rank):
+def nan_term(rank: int, cycle: int, micro: int, nan_loss_rank: int) -> float:
+    """A detached term added to one micro-batch's loss: NaN on ``nan_loss_rank``'s micro-batch 1 of cycle 0."""
+    return math.nan if (rank, cycle, micro) == (nan_loss_rank, 0, 1) else 0.0
+
+
+def ddp_worker(rank, world_size, out, use_items, poison_rank, nan_loss_rank=-1):
     model = nn.parallel.DistributedDataParallel(make_model())
     calls: list[int] = []
     model.register_comm_hook(calls, counting_hook)
@@ -97,10 +105,10 @@ def ddp_worker(rank, world_size, out, use_items, poison_rank):
     acc = GradientAccumulator(model, opt, accumulation_steps=K, max_grad_norm=1e6)
     micro = 0
     for c in range(len(SIZES)):
-        for xb, yb in chunks(c, rank, poison=(rank == poison_rank and c == 0)):
+        for m, (xb, yb) in enumerate(chunks(c, rank, poison=(rank == poison_rank and c == 0))):
             CURRENT["micro"] = micro
             with acc.micro_batch(num_items=len(xb) if use_items else None, tag=(c, rank)) as mb:
-                mb.backward(item_loss(model, xb, yb).mean())
+                mb.backward(item_loss(model, xb, yb).mean() + nan_term(rank, c, m, nan_loss_rank))
             micro += 1
     save(
         out,
@@ -171,7 +179,7 @@ def test_ddp_partial_cycle_synchronized(runs, use_wrapper):
         assert set(r["calls"]) == ({2} if use_wrapper else set())
 
 
-def fsdp_worker(rank, world_size, out, partial=False):
+def fsdp_worker(rank, world_size, out, partial=False, nan_loss_rank=-1):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -198,17 +206,22 @@ def fsdp_worker(rank, world_size, out, partial=False):
     for c in range(len(SIZES)):
         # partial: K+1 per cycle, so each cycle of K micro-batches is a partial one ended by the data.
         data = list(chunks(c, rank))
-        for xb, yb in acc.micro_batches(data) if partial else data:
+        for m, (xb, yb) in enumerate(acc.micro_batches(data) if partial else data):
             CURRENT["micro"] = micro
             with acc.micro_batch(num_items=len(xb)) as mb:
-                mb.backward(item_loss(model, xb, yb).mean())
+                mb.backward(item_loss(model, xb, yb).mean() + nan_term(rank, c, m, nan_loss_rank))
             micro += 1
     for n, fn in originals.items():
         setattr(dist, n, fn)
     save(
         out,
         rank,
-        {"params": [p.full_tensor() for p in model.parameters()], "calls": reduce_calls, "steps": acc.optimizer_steps},
+        {
+            "params": [p.full_tensor() for p in model.parameters()],
+            "calls": reduce_calls,
+            "steps": acc.optimizer_steps,
+            "events": acc.nonfinite_events,
+        },
     )
 
 
@@ -221,3 +234,20 @@ def test_fsdp2_equals_single_process_global_mean(runs, partial):
             torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
         # Gradients were reduce-scattered only in the last micro-batch of each cycle.
         assert set(r["calls"]) == {K - 1, 2 * K - 1}
+
+
+@pytest.mark.parametrize("job", ["ddp-nanloss-True", "ddp-nanloss-False", "fsdp-nanloss"])
+def test_a_nan_loss_with_finite_gradients_on_one_rank_is_refused_on_both(runs, job):
+    """Rank 1's loss is NaN in cycle 0 while every gradient is finite: both ranks refuse that step (no update), so
+    the parameters are those of the reference that only ever stepped on cycle 1."""
+    use_items = job != "ddp-nanloss-False"
+    ref = reference(use_items, cycles=(1,))
+    results = load_all(runs[job], 2)
+    for r in results:
+        assert r.get("skipped", 1) == 1 and r.get("optimizer_steps", r.get("steps")) == 1
+        for got, want in zip(r["params"], ref, strict=True):
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+        (event,) = r["events"]
+        assert event.reason == "nonfinite_loss" and math.isfinite(event.grad_norm) and event.cycle == 0
+    assert results[1]["events"][0].nonfinite_micro_batches == (1,)
+    assert results[0]["events"][0].nonfinite_micro_batches == ()

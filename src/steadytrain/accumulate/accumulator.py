@@ -113,11 +113,12 @@ class GradientAccumulator:
     sound, and runs ``optimizer.step()``, ``scheduler.step()`` and ``zero_grad()`` once each.
 
     A step is refused (no update on any rank, grads cleared, scheduler not advanced, a
-    :class:`NonFiniteEvent` recorded with its ``reason``) when the global norm is not finite (per
-    ``on_nonfinite``), and always when the cycle's item counts cannot normalize it: a negative, NaN
-    or infinite ``num_items`` on some micro-batch of some rank, or 0 items in all. Under
-    ``on_nonfinite="raise"`` a refusal raises :class:`NonFiniteGradientError` instead of skipping.
-    These decisions cost no extra host sync: the item counts are read with the norm.
+    :class:`NonFiniteEvent` recorded with its ``reason``) when the global norm, or some micro-batch's loss
+    on some rank, is not finite (per ``on_nonfinite``), and always when the cycle's item counts cannot
+    normalize it: a negative, NaN or infinite ``num_items`` on some micro-batch of some rank, or 0 items
+    in all. Under ``on_nonfinite="raise"`` a refusal raises :class:`NonFiniteGradientError` instead of skipping.
+    These decisions cost no extra host sync: the item counts and the losses are read with the norm (under
+    data parallelism their sums travel in one small all-reduce per step).
 
     Args:
         model: a plain module, ``DistributedDataParallel``, or an FSDP2 (``fully_shard``) module.
@@ -306,7 +307,9 @@ class GradientAccumulator:
     def _end_cycle(self) -> StepResult:
         cycle, self._cycle = self._cycle, Cycle()
         index = self.optimizer_steps + self.skipped_steps
-        totals = cycle.items.global_totals(self._device, self._layout) if cycle.use_items else None
+        # Under skip/raise the losses are read too: a NaN loss can come with finite (zero) gradients.
+        items, losses = cycle.items if cycle.use_items else None, cycle.losses if self._step.guard else None
+        totals, losses = normalize.global_counts(items, losses, self._device, self._layout)
         if totals is not None:
             factor: Tensor | float = normalize.item_factor(totals, self._layout.size, self._item_scale.value)
         else:
@@ -315,7 +318,7 @@ class GradientAccumulator:
             self.grad_scaler.unscale_(self.optimizer)
         norm, coef = norm_and_coefficient(self._params, factor, self._step)
         veto = self.veto(norm) if self.veto is not None else None
-        reading = read_once(norm, totals, veto)  # the one host sync of the step
+        reading = read_once(norm, totals, veto, losses)  # the one host sync of the step
         self.last_grad_norm = reading.norm
         if reading.items_valid:
             self.items_seen += reading.items  # type: ignore[operator]

@@ -2,9 +2,10 @@
 
 ``NonFiniteEvent`` is the one record of a refused step in steadytrain: the training loop writes it
 to the run's non-finite ledger and ``diagnose`` reads it back, so its fields are a contract. A step
-is refused for one of the :data:`REASONS`: a non-finite global gradient norm (the classic NaN/inf),
-or item counts that cannot normalize a gradient (a negative or non-finite ``num_items`` on some
-micro-batch of some rank, or a cycle holding no items at all).
+is refused for one of the :data:`REASONS`: a non-finite global gradient norm (the classic NaN/inf), a
+non-finite loss on some rank whose gradients stayed finite (a cross-entropy over only ``ignore_index``
+targets is NaN with zero gradients), or item counts that cannot normalize a gradient (a negative or
+non-finite ``num_items`` on some micro-batch of some rank, or a cycle holding no items at all).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from steadytrain.errors import UserError
 
 __all__ = [
     "INVALID_ITEMS",
+    "NONFINITE_LOSS",
     "NONFINITE_NORM",
     "NO_ITEMS",
     "ON_NONFINITE",
@@ -31,6 +33,10 @@ ON_NONFINITE = ("skip", "raise", "ignore")
 
 NONFINITE_NORM = "nonfinite_grad_norm"
 """The global gradient norm was NaN or inf."""
+NONFINITE_LOSS = "nonfinite_loss"
+"""Some micro-batch's loss was NaN or inf on some rank while the global gradient norm was finite: the loss carried
+no gradient of its non-finite part (every target ``ignore_index``, a detached NaN term). Stepping would train on a
+batch whose loss says it is broken."""
 INVALID_ITEMS = "invalid_num_items"
 """Some micro-batch on some rank gave a negative, NaN or infinite ``num_items``."""
 NO_ITEMS = "no_items"
@@ -38,10 +44,11 @@ NO_ITEMS = "no_items"
 SPIKE = "spike"
 """The step's loss or gradient norm was far out of line with the previous steps' (:mod:`steadytrain.guard`), and
 the caller's ``veto`` refused it: a finite step, recorded with the spike ledger, never raised."""
-REASONS = (NONFINITE_NORM, INVALID_ITEMS, NO_ITEMS, SPIKE)
+REASONS = (NONFINITE_NORM, NONFINITE_LOSS, INVALID_ITEMS, NO_ITEMS, SPIKE)
 
 _EXPLAIN = {
     NONFINITE_NORM: "non-finite global gradient norm",
+    NONFINITE_LOSS: "non-finite loss on some rank (every target ignore_index? a NaN term without a gradient?)",
     INVALID_ITEMS: "a negative, NaN or infinite num_items on some micro-batch of some rank "
     "(give each micro-batch its count of items, >= 0)",
     NO_ITEMS: "the cycle held 0 items on every rank (there is no mean to step on)",
@@ -50,7 +57,7 @@ _EXPLAIN = {
 
 
 class NonFiniteGradientError(RuntimeError):
-    """A step was refused (non-finite norm or invalid item counts) and ``on_nonfinite="raise"``."""
+    """A step was refused (non-finite norm or loss, or invalid item counts) and ``on_nonfinite="raise"``."""
 
 
 class UsageError(UserError, RuntimeError):
@@ -124,7 +131,7 @@ class NonFiniteEvent:
         what = _EXPLAIN.get(self.reason, self.reason)
         if self.reason == NONFINITE_NORM:
             what = f"{what} {self.grad_norm}"
-        elif self.reason == SPIKE:
+        elif self.reason in (SPIKE, NONFINITE_LOSS):
             what = f"step refused: {what}; global gradient norm {self.grad_norm:.4g}"
         else:
             what = f"step refused: {what} (global num_items total {self.num_items})"

@@ -31,7 +31,16 @@ from steadytrain._check import check_finite
 from steadytrain.accumulate.sync import DataParallel, all_reduce
 from steadytrain.errors import UserError
 
-__all__ = ["ItemCounts", "ItemScale", "check_num_items", "item_factor", "mean_factor", "scale_loss"]
+__all__ = [
+    "ItemCounts",
+    "ItemScale",
+    "check_num_items",
+    "count_dtype",
+    "global_counts",
+    "item_factor",
+    "mean_factor",
+    "scale_loss",
+]
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -54,7 +63,7 @@ def check_num_items(value: object) -> float | Tensor | None:
     return check_finite("num_items", value, minimum=0.0)
 
 
-def _count_dtype(device: torch.device) -> torch.dtype:
+def count_dtype(device: torch.device) -> torch.dtype:
     return torch.float32 if device.type == "mps" else torch.float64  # MPS has no float64
 
 
@@ -80,7 +89,7 @@ class ItemCounts:
         of the counts (NaN propagates, ``-inf`` gives ``inf``), plus the restored invalid count. It
         stays meaningful when summed over ranks, so the all-reduce that sums the counts carries it.
         """
-        dtype = _count_dtype(device)
+        dtype = count_dtype(device)
         known = [self.python, float(self.invalid)]
         if not self.tensors:
             return torch.tensor(known, dtype=dtype, device=device)
@@ -90,16 +99,31 @@ class ItemCounts:
         counted = torch.stack([t.sum(), t.amin().clamp(max=0.0).neg()])
         return counted if known == [0.0, 0.0] else counted + torch.tensor(known, dtype=dtype, device=device)
 
-    def global_totals(self, device: torch.device, layout: DataParallel) -> Tensor:
-        """``[N, invalid]`` summed over every data-parallel rank: one all-reduce per cycle (per mesh dim)."""
-        return all_reduce(self.local(device), layout)  # every rank divides by the global count: one batch's mean
-
     def to_state(self) -> tuple[float, int]:
         """``(sum, invalid)`` as Python numbers (reads device counts: a host sync, fine at checkpoint time)."""
         if not self.tensors:
             return self.python, self.invalid
         total, invalid = self.local(self.tensors[0].device).tolist()  # the state is saved as JSON numbers
         return total, int(invalid != 0)  # NaN != 0 too
+
+
+def global_counts(
+    items: ItemCounts | None, losses: list[Tensor] | None, device: torch.device, layout: DataParallel
+) -> tuple[Tensor | None, list[Tensor] | Tensor | None]:
+    """The cycle's item counts ``[N, invalid]`` over every data-parallel rank, and its losses: as they are on one
+    process, summed over the ranks otherwise (not finite when one was not). One all-reduce for both (per mesh
+    dimension), none on one process: every rank then divides by the same count and refuses alike."""
+    local = items.local(device) if items is not None else None
+    if not layout.groups or (local is None and losses is None):
+        return local, losses
+    if losses is None:
+        return all_reduce(local, layout), None  # every rank divides by the global count: one batch's mean
+    # float64: K float32 losses summed over the ranks cannot overflow it
+    loss_sum = torch.stack([x.to(device) for x in losses]).to(count_dtype(device)).sum().reshape(1)
+    if local is None:
+        return None, all_reduce(loss_sum, layout)
+    both = all_reduce(torch.cat([local, loss_sum]), layout)
+    return both[:2], both[2:]
 
 
 class ItemScale:
@@ -115,7 +139,7 @@ class ItemScale:
         if self.value is not None:
             return
         if self._layout.groups or isinstance(num_items, Tensor):
-            first = torch.as_tensor(num_items).to(device, _count_dtype(device)).reshape(())
+            first = torch.as_tensor(num_items).to(device, count_dtype(device)).reshape(())
             # the global count: every rank must take the same s, or the ranks' gradients would be weighted apart
             first = all_reduce(first.clone(), self._layout) if self._layout.groups else first
             # Only an estimate (it cancels in the factor): an invalid count must not leave s at NaN forever.

@@ -17,7 +17,14 @@ import torch
 from torch import Tensor
 
 from steadytrain._check import check_finite
-from steadytrain.accumulate.events import INVALID_ITEMS, NO_ITEMS, NONFINITE_NORM, ON_NONFINITE, SPIKE
+from steadytrain.accumulate.events import (
+    INVALID_ITEMS,
+    NO_ITEMS,
+    NONFINITE_LOSS,
+    NONFINITE_NORM,
+    ON_NONFINITE,
+    SPIKE,
+)
 from steadytrain.clip import (
     _check_eps,
     _check_norm_type,
@@ -121,31 +128,46 @@ class Reading:
     """0 when every item count on every rank was finite and >= 0; positive or NaN otherwise."""
     vetoed: bool = False
     """The caller's ``veto`` flag (a loss spike) was set."""
+    losses: float = 0.0
+    """The cycle's losses summed over its micro-batches and ranks: not finite when one of them was not (0 when the
+    policy does not look at them)."""
 
     @property
     def items_valid(self) -> bool:
         return self.items is not None and self.invalid == 0 and math.isfinite(self.items) and self.items >= 0
 
 
-def read_once(norm: Tensor | None, totals: Tensor | None, veto: Tensor | None = None) -> Reading:
-    """The one host sync per optimizer step (skip or step must be decided): norm, item counts and the
-    caller's veto flag together."""
-    if totals is None and veto is None:
+def read_once(
+    norm: Tensor | None,
+    totals: Tensor | None,
+    veto: Tensor | None = None,
+    losses: list[Tensor] | Tensor | None = None,
+) -> Reading:
+    """The one host sync per optimizer step (skip or step must be decided): norm, item counts, the
+    caller's veto flag and the cycle's losses (this rank's 0-dim losses, or their sum over the ranks)."""
+    if totals is None and veto is None and (losses is None or norm is None):
         return Reading(math.nan if norm is None else float(norm))  # host read: skip or step is a Python decision
-    parts = [t.reshape(-1).double() for t in (norm, totals, veto) if t is not None]
+    if isinstance(losses, list):
+        losses = [x if x.device == norm.device else x.to(norm.device) for x in losses]  # type: ignore[union-attr]
+        if totals is None and veto is None:  # one process: the norm and the losses in one stack, one read
+            values = torch.stack([norm, *losses]).tolist()  # type: ignore[list-item]
+            return Reading(values[0], losses=sum(values[1:]))
+        losses = torch.stack(losses)
+    parts = [t.reshape(-1).double() for t in (norm, totals, veto, losses) if t is not None]
     values = torch.cat([t.to(parts[0].device) for t in parts]).tolist()  # the one read: skip or step is decided here
     value = values.pop(0) if norm is not None else math.nan
     items, invalid = (values.pop(0), values.pop(0)) if totals is not None else (None, 0.0)
     vetoed = bool(values.pop(0)) if veto is not None else False
-    return Reading(value, items, invalid, vetoed)
+    return Reading(value, items, invalid, vetoed, sum(values))  # what is left: the losses (none: 0)
 
 
 def refusal(reading: Reading, cfg: StepConfig) -> str | None:
     """Why this cycle must not step (a reason from :mod:`.events`), or None to step.
 
     Item counts that cannot normalize (negative, NaN, inf, or 0 in all) always refuse, whatever the
-    policy: stepping would be gradient ascent, a NaN update, or a step on no data. A non-finite norm
-    refuses unless ``on_nonfinite="ignore"`` (and no ``GradScaler``). Last, the caller's veto (a spike).
+    policy: stepping would be gradient ascent, a NaN update, or a step on no data. A non-finite norm,
+    then a non-finite loss with a finite norm, refuse unless ``on_nonfinite="ignore"`` (and no
+    ``GradScaler``). Last, the caller's veto (a spike).
     """
     if reading.items is not None:
         if not reading.items_valid:
@@ -154,6 +176,8 @@ def refusal(reading: Reading, cfg: StepConfig) -> str | None:
             return NO_ITEMS
     if cfg.guard and not math.isfinite(reading.norm):
         return NONFINITE_NORM
+    if cfg.guard and not math.isfinite(reading.losses):
+        return NONFINITE_LOSS
     return SPIKE if reading.vetoed else None
 
 
