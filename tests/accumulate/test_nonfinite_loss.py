@@ -84,13 +84,13 @@ def test_the_cycle_is_refused_and_the_run_equals_one_without_it(cause, use_items
 @pytest.mark.parametrize("kw", [{}, {"clip_value": 0.5}])
 def test_refused_without_global_norm_clipping_too(kw):
     batches = micro_batches(2)
-    model, acc, _ = run(batches, bad=(0, 0), cause="ignore_index", **kw)
+    _, acc, _ = run(batches, bad=(0, 0), cause="ignore_index", **kw)
     assert (acc.optimizer_steps, acc.skipped_steps) == (1, 1)
     assert acc.nonfinite_events[0].reason == "nonfinite_loss"
 
 
 def test_raise_policy_raises_and_names_the_loss():
-    with pytest.raises(NonFiniteGradientError, match="non-finite loss.*optimizer step 0"):
+    with pytest.raises(NonFiniteGradientError, match=r"non-finite loss.*optimizer step 0"):
         run(micro_batches(1), bad=(0, 1), cause="ignore_index", on_nonfinite="raise")
 
 

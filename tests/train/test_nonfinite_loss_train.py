@@ -35,7 +35,7 @@ STEPS, GLOBAL = 20, 16
 COMMON = (
     "model.name=padded:factory", "data.seq_len=32", "batch.micro_batch_size=4", f"batch.global_batch_size={GLOBAL}",
     "batch.base_batch_size=16", "eval.holdout_fraction=null", f"run.max_steps={STEPS}", "run.log_every=1",
-    "checkpoint.every_steps=100",
+    "checkpoint.every_steps=1", f"checkpoint.keep_last={STEPS}",
 )  # fmt: skip
 
 
@@ -105,3 +105,12 @@ def test_raise_policy_stops_at_the_first_such_step(padded, tmp_path):
     assert f"non-finite step {first}" in got.stderr, got.stderr[-2000:]
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["step"] == first and rows[-1]["skipped"]
+
+
+def test_triage_replays_the_step_and_says_data(padded):
+    """The replay of a refused step from the checkpoint before it: NaN with the padded examples, finite without."""
+    step = min(s for s in padded.held if s > 1)  # a checkpoint before it
+    got = in_process("triage", str(padded.run), "--step", str(step), "--json", PYTHONPATH=padded.pkg)
+    assert got.returncode == 0, got.stderr
+    found = json.loads(got.stdout)
+    assert found["verdict"] == "data", found

@@ -40,8 +40,8 @@ import torch
 from torch import nn
 
 from steadytrain._io import load_json
-from steadytrain._text import brief
-from steadytrain.accumulate.events import NONFINITE_NORM
+from steadytrain._text import brief, short
+from steadytrain.accumulate.events import NONFINITE_LOSS, NONFINITE_NORM
 from steadytrain.data import open_dataset
 from steadytrain.data.sourcemap import read_sources
 from steadytrain.diagnose import read_ledger, report
@@ -114,11 +114,12 @@ def triage(run_dir: str | Path, step: int) -> Triage:
     run = open_run_dir(Path(run_dir))
     if not isinstance(step, int) or step < 1:
         raise UserError(f"--step {step!r}: give an optimizer step, 1 or more (a refused one: steadytrain nan report)")
-    _within_run(run, step)
-    events = [e for s, e in read_ledger(run.path) if s == step]
+    ledger = read_ledger(run.path)
+    _within_run(run, step, {s for s, _ in ledger})
+    events = [e for s, e in ledger if s == step]
     if not events:
         return Triage("none", step, note=f"step {step} was not refused: {LEDGER} records nothing to explain there")
-    if all(e.reason != NONFINITE_NORM for e in events):
+    if all(e.reason not in (NONFINITE_NORM, NONFINITE_LOSS) for e in events):
         raise UserError(
             f"--step {step}: {LEDGER} says the step was refused for its item count ({events[0].reason}), not for "
             "non-finite values: there is nothing to replay; look at how the model counts the items of a micro-batch"
@@ -158,11 +159,22 @@ def _name_sources(found: Triage, sources: SourceMap | None, shards: set[int], ex
     return found
 
 
-def _within_run(run: RunDir, step: int) -> None:
-    """A step past the run's last is an error (it was not refused: it never ran)."""
-    last = max((r["step"] for r in read_metrics(run.metrics)[0]), default=None)
-    if last is not None and step > last:
-        raise UserError(f"--step {step}: the run has {last} optimizer steps ({run.metrics.name}): give 1 to {last}")
+def _within_run(run: RunDir, step: int, refused: set[int]) -> None:
+    """A step the run never reached is an error, not the verdict ``none`` (it was not refused: it never ran). The
+    run reached its last row in ``metrics.jsonl`` and every step its ledger records (rows are written every
+    ``run.log_every`` steps: a run killed between two writes refused steps past its last row, or before its first)."""
+    rows = max((r["step"] for r in read_metrics(run.metrics)[0]), default=None)
+    last = max(rows or 0, *refused, 0)
+    if not last:
+        raise UserError(
+            f"--step {step}: the run never reached step {step}: it recorded no optimizer step ({run.metrics.name} "
+            f"has no training row, {LEDGER} no refused step): nothing to triage"
+        )
+    if step > last:
+        raise UserError(
+            f"--step {step}: the run never reached step {step}: it has {last} optimizer steps "
+            f"({run.metrics.name}{', ' + LEDGER if last != rows else ''}): give 1 to {last}"
+        )
 
 
 def _same_batch(run_dir: Path, data: Path, step: int, events: list, pairs: list[tuple[int, int]]) -> None:
@@ -206,7 +218,7 @@ def _verdict(step: int, replays: list[dict[str, Any]], ranks: list[int], hosts: 
     by = {r["variant"]: r for r in replays}
     weights = f" ({note})" if note else ""
     if by["recorded"]["finite"]:
-        where = ", ".join(f"rank {r}" for r in ranks) + (f" on {', '.join(hosts)}" if hosts else "")
+        where = ", ".join(f"rank {r}" for r in ranks) + (f" on {', '.join(map(short, hosts))}" if hosts else "")
         return Triage(
             "not-reproducible", step, replays, ranks, hosts,
             f"the recorded batch is finite on replay from the same weights{weights}: the non-finite values the run "
