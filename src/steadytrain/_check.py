@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import re
 from fractions import Fraction
 from typing import Any
 
@@ -88,3 +89,40 @@ def exact_weight(name: str, value: object, *, zero: bool = False) -> Fraction:
     if max(len(str(frac.numerator)), len(str(frac.denominator))) > MAX_WEIGHT_DIGITS:
         raise UserError(f"{name}={value!r} is too large or too small a weight: give weights within 1e-30 .. 1e30")
     return frac
+
+
+INT_TEXT = r"[-+]?[0-9]+"
+"""How an integer is written, everywhere a user writes one (a config's YAML, ``--set``, a flag, a mesh): ASCII digits
+0-9 with an optional sign. ``2_0``, ``0x10``, ``1:30``, ``1e3``, spaces and other scripts' digits (``٣``) are not."""
+FLOAT_TEXT = r"[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?"
+"""How a number is written (YAML 1.2's core schema): ``10``, ``-0.5``, ``.5``, ``3e-4``, ``1.5E+3``."""
+_MAX_DIGITS = 100  # int() refuses more than 4300 digits, slowly; no count the project takes has more than 20
+
+
+def parse_int(text: str) -> int:
+    """``text`` as an integer if it is written as :data:`INT_TEXT` says, else a ValueError naming it and the rule.
+
+    Example:
+        >>> parse_int("-12")
+        -12
+    """
+    if not isinstance(text, str) or not re.fullmatch(INT_TEXT, text):
+        raise ValueError(f"{brief(text)} is not a whole number: write it in digits 0-9 (e.g. 10)")
+    if len(text) > _MAX_DIGITS:
+        raise ValueError(f"{brief(text)} is too large: {len(text)} digits (at most {_MAX_DIGITS})")
+    return int(text)
+
+
+def parse_number(text: str) -> float:
+    """``text`` as a finite float if it is written as :data:`FLOAT_TEXT` says, else a ValueError naming it.
+
+    Example:
+        >>> parse_number("3e-4")
+        0.0003
+    """
+    if not isinstance(text, str) or not re.fullmatch(FLOAT_TEXT, text):
+        raise ValueError(f"{brief(text)} is not a number: write it in digits 0-9 (e.g. 10, 0.5 or 3e-4)")
+    out = float(text)  # float() of many digits is fast (unlike int()): 1e400 is inf, said below
+    if not math.isfinite(out):
+        raise ValueError(f"{brief(text)} is too large a number: at most about 1.8e308")
+    return out

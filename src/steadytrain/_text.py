@@ -1,11 +1,12 @@
 """Text shaping shared by every layer: bounded values in messages, one-line values, inert Markdown.
 
 :func:`brief` bounds any value before it is formatted into a message; :func:`one_line` keeps a
-value from starting a new line; :func:`error_text` keeps the lines of an exception that name the
-problem; :func:`md` is the one way a value a user controls enters Markdown (``summary.md``,
-``sweep.md``): run names, paths, config values, provenance and error messages may hold a newline
-(a new heading), ``<img onerror=...>`` (raw HTML, which renderers pass through), ``|`` (a new table
-cell) or ``[x](javascript:...)`` (a link); :func:`md` makes them inert text.
+value from starting a new line; :func:`short` is :func:`one_line` cut to a width (a name in a table,
+a plot's label or a sentence: a 200 KB layer name must not pad every row); :func:`error_text` keeps the
+lines of an exception that name the problem; :func:`md` is the one way a value a user controls enters
+Markdown (``summary.md``, ``sweep.md``): run names, paths, config values, provenance and error messages
+may hold a newline (a new heading), ``<img onerror=...>`` (raw HTML, which renderers pass through), ``|``
+(a new table cell) or ``[x](javascript:...)`` (a link); :func:`md` makes them inert text.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import re
 import reprlib
 
-__all__ = ["brief", "error_text", "md", "one_line"]
+__all__ = ["SHORT", "brief", "error_text", "md", "one_line", "short"]
 
 _repr = reprlib.Repr()
 _repr.maxstring = _repr.maxother = 80
@@ -39,6 +40,28 @@ def one_line(value: object) -> str:
         6.1\nimage identical
     """
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(value))
+
+
+SHORT = 60
+"""The most characters :func:`short` keeps of a name by default: a table's column stays readable."""
+
+
+def short(value: object, limit: int = SHORT) -> str:
+    r"""``value`` on one line (:func:`one_line`), at most ``limit`` characters: a longer one keeps its start and its
+    end (where names differ: ``model.layers.11.attn.weight``) around ``...``.
+
+    Example:
+        >>> short("model." + "x" * 100 + ".layers.11.weight", 40)
+        'model.xxxxxx...xxxxxxxx.layers.11.weight'
+        >>> short("ok" + chr(10) + "name")
+        'ok\\nname'
+    """
+    text = one_line(value)
+    if len(text) <= limit:
+        return text
+    keep = max(limit - 3, 2)
+    head = keep // 3
+    return text[:head] + "..." + text[len(text) - (keep - head) :]
 
 
 def error_text(err: BaseException, limit: int = 400) -> str:

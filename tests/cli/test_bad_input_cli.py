@@ -169,12 +169,12 @@ def test_lr_sweep_that_leaves_the_float_range_is_refused():
     ("extra", "words"),
     [
         (["--sweep", "3000"], ["--sweep", "3000"]),
-        (["--base-lr", "1e400"], ["base_lr", "finite"]),
-        (["--base-lr", "nan"], ["base_lr", "finite"]),
-        (["--accumulation-steps", str(10**400)], ["accumulation_steps", "too large"]),
+        (["--base-lr", "1e400"], ["'--base-lr'", "too large a number"]),  # refused by the flag's type, as every
+        (["--base-lr", "nan"], ["'--base-lr'", "'nan' is not a number"]),  # number flag's (they reached plan)
+        (["--accumulation-steps", str(10**400)], ["'--accumulation-steps'", "too large: 401 digits"]),
         (["--base-lr", "1e300", "--base-batch-size", "1", "--accumulation-steps", "100000000"], ["lr=inf"]),
         (["--world-size", "0"], ["world_size=0"]),
-        (["--warmup-ratio", "nan", "--dataset-size", "1000"], ["warmup_ratio"]),
+        (["--warmup-ratio", "nan", "--dataset-size", "1000"], ["'--warmup-ratio'", "'nan' is not a number"]),
     ],
 )
 def test_plan_bad_values_one_line_exit_2(extra, words):

@@ -9,7 +9,6 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
-import logging
 import multiprocessing
 import os
 import subprocess
@@ -324,15 +323,24 @@ def test_a_shard_selection_that_reads_a_shard_twice_or_nothing_is_refused(tmp_pa
         assert word in str(err.value)
 
 
-def test_a_rank_without_shards_is_warned_about(tmp_path, caplog):
-    small_dataset(tmp_path, shards=3)
-    with caplog.at_level(logging.WARNING, logger="steadytrain.data.sharded"):
-        ShardedDataset(tmp_path, rank=2, world_size=4)
-    assert not caplog.records  # rank 2 of 4 has shard 2 (or another): no warning
-    with caplog.at_level(logging.WARNING, logger="steadytrain.data.sharded"):
-        empty = ShardedDataset(tmp_path, rank=3, world_size=4)
-    assert len(caplog.records) == 1 and "rank 3 of 4 gets no shards" in caplog.records[0].getMessage()
-    assert list(empty) == []  # the warning told the truth
+def test_more_ranks_than_shards_is_refused_on_every_rank_naming_the_counts_and_the_fix(tmp_path):
+    # issue 47: 8 ranks over 4 shards gave ranks 4-7 no examples (a warning on those ranks only; ranks 0-3 went on
+    # into a collective the empty ranks' DDP would never join)
+    small_dataset(tmp_path, shards=4)
+    for rank in (0, 3, 4, 7):  # a rank with shards refuses too: it would wait for the empty ones
+        with pytest.raises(UserError) as err:
+            ShardedDataset(tmp_path, rank=rank, world_size=8)
+        text = str(err.value)
+        assert "\n" not in text
+        for words in ("world_size=8", "4 shard(s)", "ranks 4-7 would get no examples", "at most 4 ranks", "batch_size"):
+            assert words in text, (words, text)
+    with pytest.raises(UserError, match="so rank 4 would get no examples"):
+        ShardedDataset(tmp_path, rank=0, world_size=5)
+    with pytest.raises(UserError, match="the 1 shard"):
+        ShardedDataset(tmp_path, rank=0, world_size=2, shards=[2])
+    full = ShardedDataset(tmp_path, rank=3, world_size=4)  # one shard each: every rank has examples
+    assert len(list(full)) > 0
+    ShardedDataset(tmp_path, rank=5, world_size=8, batch_size=1)  # the batched mode splits examples, not shards
 
 
 def _state_after(path: Path, n: int, **kw) -> dict:

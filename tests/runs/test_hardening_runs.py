@@ -727,7 +727,14 @@ def test_ctrl_c_during_a_sweep_stops_the_sweep_not_only_its_trial(tmp_path):
     out, err = proc.communicate(timeout=240)
     assert proc.returncode == 130, out + err
     assert "stopped: sweep stopped by a signal during the trial at factor 0.5" in err.splitlines()[-1]
-    assert sorted(p.name for p in where.iterdir()) == ["lr-x0.5"] and not (where / "sweep.json").exists()
+    assert sorted(p.name for p in where.iterdir()) == ["lr-x0.5", "sweep-state.json"]  # no sweep.json: unfinished
+    # the same sweep again resumes it: the stopped trial from its checkpoint (issue 47), then the next one
+    env = {k: v for k, v in env.items() if k != "PAUSE_AT"}
+    again = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resuming: 0 of 2 trials done" in again.stderr and "trial 2/2: factor 1" in again.stderr
+    assert (where / "lr-x0.5" / "resumes.jsonl").exists() or (where / "lr-x0.5" / "restarts.jsonl").exists()
+    assert [t["factor"] for t in json.loads((where / "sweep.json").read_text())["trials"]] == [0.5, 1.0]
 
 
 def test_a_warning_about_a_hostile_run_path_stays_on_one_line(tmp_path):

@@ -268,7 +268,7 @@ def test_eval_takes_a_mesh_run_on_the_ranks_it_has(one_rank_run, tmp_path):
 @pytest.mark.parametrize(
     ("args", "words"),
     [
-        (["--rtol", "nan"], ["--rtol nan", "above 0 and at most 1"]),  # NaN: every difference "agreed"
+        (["--rtol", "nan"], ["'--rtol'", "'nan' is not a number"]),  # NaN: every difference "agreed"
         (["--mesh", "tp=2_0"], ["--mesh", "tp='2_0' is not a whole number"]),  # 20 ranks were launched
         (["--set", "distributed.mesh=tp=4"], ["--set 'distributed.mesh=tp=4'", "from --mesh and --against"]),
         (["--set", "distributed.mesh.shard=2"], ["--set 'distributed.mesh.shard=2'", "give the layouts there"]),

@@ -243,6 +243,17 @@ def test_an_early_stopped_run_resumes_only_with_more_patience(tmp_path, data, ot
     assert "best validation loss | 2 at step 16" in (run / "summary.md").read_text()
 
 
+def test_auto_resume_of_an_early_stopped_run_is_success_and_writes_nothing(tmp_path, data, other, models):
+    run, env = tmp_path / "run", _plateau_env(tmp_path, models)
+    items = [*_plateau_items(data, 20), f"eval.data={other}"]
+    train(run, *items, **env)  # stops at 12 (see above): a requeue or a retry finds it ended
+    before = {p: p.read_bytes() if p.is_file() else None for p in run.rglob("*")}
+    proc = run_cli("train", "--auto-resume", "--run-dir", str(run), *sets(*items), **env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "nothing to train" in proc.stderr and "early stopping at step 12" in proc.stderr
+    assert {p: p.read_bytes() if p.is_file() else None for p in run.rglob("*")} == before
+
+
 def test_a_resume_cannot_change_which_examples_are_evaluated(tmp_path, data, other, models):
     run, env = tmp_path / "run", _plateau_env(tmp_path, models)
     train(run, *_plateau_items(data, 4), f"eval.data={other}", **env)

@@ -1,14 +1,16 @@
-"""Shared pieces of the command line: the consoles and the error that exits 2."""
+"""Shared pieces of the command line: the consoles, the error that exits 2, the number types of every flag."""
 
 from __future__ import annotations
 
 import logging
 import sys
 from pathlib import Path
+from typing import Any
 
 import click
 from rich.console import Console
 
+from steadytrain._check import parse_int, parse_number
 from steadytrain._text import one_line
 from steadytrain.errors import UserError
 
@@ -17,7 +19,7 @@ from steadytrain.errors import UserError
 console = Console(markup=False, highlight=False, emoji=False)
 err_console = Console(stderr=True, markup=False, highlight=False, emoji=False)
 
-__all__ = ["UserError", "console", "err_console", "log_handler", "run_argument"]
+__all__ = ["Number", "UserError", "WholeNumber", "console", "err_console", "log_handler", "run_argument"]
 
 
 class _OneLine(logging.Formatter):
@@ -45,3 +47,31 @@ def _existing(ctx: click.Context, param: click.Parameter, value: str | None) -> 
 
 run_argument = click.argument("run", type=click.Path(file_okay=False), callback=_existing)
 """The RUN argument of every command that reads a run directory."""
+
+
+class WholeNumber(click.IntRange):
+    """The type of every integer flag: digits 0-9 with an optional sign, as in a config and a mesh
+    (:func:`steadytrain._check.parse_int`: ``int()`` alone would take ``1_0`` as 10 and ``٣`` as 3), within
+    ``[min, max]`` like ``click.IntRange``."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, str):
+            try:
+                value = parse_int(value)
+            except ValueError as err:
+                self.fail(str(err), param, ctx)
+        return super().convert(value, param, ctx)
+
+
+class Number(click.FloatRange):
+    """The type of every number flag: digits 0-9 as in a config (:func:`steadytrain._check.parse_number`:
+    ``float()`` alone would take ``1_0``, ``٣``, ``nan`` and ``inf``), within ``[min, max]`` like
+    ``click.FloatRange``."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, str):
+            try:
+                value = parse_number(value)
+            except ValueError as err:
+                self.fail(str(err), param, ctx)
+        return super().convert(value, param, ctx)

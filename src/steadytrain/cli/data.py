@@ -15,8 +15,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from steadytrain._check import MAX_SEQ_LEN
-from steadytrain.cli._common import UserError, console
+from steadytrain._check import MAX_SEQ_LEN, parse_int
+from steadytrain.cli._common import UserError, WholeNumber, console
 
 
 def shown(value: Any) -> str:
@@ -43,7 +43,7 @@ def parse_shards(spec: str | None, known: list[int] | None = None) -> list[int] 
     for part in spec.split(","):
         lo, _, hi = part.strip().partition("-")
         try:
-            first, last = int(lo), int(hi) if hi else int(lo)
+            first, last = parse_int(lo), parse_int(hi) if hi else parse_int(lo)  # digits 0-9, as every flag
         except ValueError:
             raise UserError(f"--shards {spec!r}: {part.strip()!r} is not an id or a range: use e.g. 0-39,47") from None
         if first < 0 or last < first:
@@ -116,7 +116,7 @@ def _odd(value: Any) -> Text:
 
 @data.command("provenance")
 @click.argument("path", type=click.Path(exists=True, file_okay=False))
-@click.option("--shard", type=int, default=None, help="Show where this shard differs from the majority.")
+@click.option("--shard", type=WholeNumber(), default=None, help="Show where this shard differs from the majority.")
 def provenance_cmd(path: str, shard: int | None) -> None:
     """Provenance per shard; fields unlike the majority of shards are highlighted."""
     from steadytrain.data import open_dataset
@@ -204,11 +204,11 @@ def validate_cmd(path: str, schema_path: str | None, shards_spec: str | None) ->
 )
 @click.option("--tokenizer", default=None, help="bytes (default) or a tokenizers JSON file (text only).")
 @click.option(
-    "--seq-len", type=click.IntRange(1, MAX_SEQ_LEN), default=None, help="Tokens per window seen by a model [128]."
+    "--seq-len", type=WholeNumber(1, MAX_SEQ_LEN), default=None, help="Tokens per window seen by a model [128]."
 )
 @click.option("--field", default=None, help="The string field (.jsonl) or column (.csv, .parquet) of each document.")
-@click.option("--shard-rows", type=click.IntRange(min=1), default=None, help="Windows [8192] or records [65536].")
-@click.option("--workers", type=click.IntRange(1, 1024), default=1, show_default=True, help="Processes; same output.")
+@click.option("--shard-rows", type=WholeNumber(min=1), default=None, help="Windows [8192] or records [65536].")
+@click.option("--workers", type=WholeNumber(1, 1024), default=1, show_default=True, help="Processes; same output.")
 @click.option("--pipeline-version", default="1", show_default=True, help="Recorded in every shard's provenance.")
 @click.option("--skip-bad", is_flag=True, help="Skip bad lines (counted in provenance) instead of stopping.")
 def ingest_cmd(

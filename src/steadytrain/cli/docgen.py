@@ -260,10 +260,11 @@ def _param_type(info: dict[str, Any]) -> str:
         text = "count" if info.get("count") else "flag"
     elif kind == "Choice":
         text = "one of " + ", ".join(f"`{c}`" for c in t["choices"])
-    elif kind in ("IntRange", "FloatRange"):
+    elif kind in ("IntRange", "FloatRange", "WholeNumber", "Number"):  # the last two: steadytrain.cli._common's
         low = f"{'>' if t['min_open'] else '>='} {t['min']}" if t["min"] is not None else ""
         high = f"{'<' if t['max_open'] else '<='} {t['max']}" if t["max"] is not None else ""
-        text = ("integer" if kind == "IntRange" else "number") + ", " + ", ".join(b for b in (low, high) if b)
+        word = "integer" if kind in ("IntRange", "WholeNumber") else "number"
+        text = ", ".join([word, *(b for b in (low, high) if b)])
     elif kind == "Path":
         text = ("existing " if t["exists"] else "") + t["name"]
     else:
@@ -354,7 +355,8 @@ def render_cli(group: click.Group | None = None, name: str = "steadytrain") -> s
         _GENERATED.format(source=f"`{group.callback.__module__}` (click)"),
         "",
         "Every command also takes " + " / ".join(f"`{o}`" for o in help_opts) + " (its help) and exits 2 on "
-        "a usage error, with one line on stderr naming the fix.",
+        "a usage error, with one line on stderr naming the fix. An integer is written in digits 0-9 with an optional "
+        "sign (`1_0`, `0x10`, `٣` are refused), a number also as `0.5` or `3e-4`, as in a config.",
         "",
         *_command_lines(name, group.to_info_dict(ctx), 1, {*help_opts, "--help"}),
     ]

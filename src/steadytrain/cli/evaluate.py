@@ -9,12 +9,12 @@ from pathlib import Path
 
 import click
 
-from steadytrain.cli._common import run_argument
+from steadytrain.cli._common import WholeNumber, run_argument
 
 
 @click.command("eval")
 @run_argument
-@click.option("--step", type=click.IntRange(1), default=None, help="The checkpoint's step (default: the latest).")
+@click.option("--step", type=WholeNumber(1), default=None, help="The checkpoint's step (default: the latest).")
 @click.option(
     "--data", type=click.Path(file_okay=False), default=None, help="Evaluate on this dataset instead of RUN's own."
 )
@@ -39,7 +39,7 @@ def eval_cmd(run: str, step: int | None, data: str | None, as_json: bool) -> Non
 
 @click.command("export")
 @run_argument
-@click.option("--step", type=click.IntRange(1), default=None, help="The checkpoint's step (default: the latest).")
+@click.option("--step", type=WholeNumber(1), default=None, help="The checkpoint's step (default: the latest).")
 @click.option(
     "--format", "fmt", type=click.Choice(["safetensors", "hf"]), default="safetensors", show_default=True,
     help="safetensors: one file of the model's tensors; hf: a transformers directory (runs of hf: models).",

@@ -11,8 +11,8 @@ from typing import Any
 
 import click
 
-from steadytrain._text import one_line
-from steadytrain.cli._common import run_argument
+from steadytrain._text import one_line, short
+from steadytrain.cli._common import WholeNumber, run_argument
 
 
 def _json(data: Any) -> None:
@@ -25,7 +25,7 @@ def _print_report(rep: Any, limit: int = 5, flagged: str = "non-finite") -> None
     for s in rows:
         rate = f"{s.rate:.3g}" if s.rate is not None else "n/a"
         seen = "exposure not recorded" if s.exposures is None else f"{s.exposures} examples seen"
-        name = one_line(rep.shard_name(s.shard))  # a mixture's "web shard 3 (id 7)": a source name from sources.json
+        name = short(rep.shard_name(s.shard))  # a mixture's "web shard 3 (id 7)": a source name from sources.json
         click.echo(
             f"  {name}: {s.events} step(s), {s.nonfinite} {flagged} losses "
             f"(chance: {s.expected:g}), {seen}, rate {rate}, p = {s.p_value:.2g}"
@@ -35,7 +35,7 @@ def _print_report(rep: Any, limit: int = 5, flagged: str = "non-finite") -> None
     for spike in (rep.layers or [])[:limit]:  # spikes: each layer's grad norm against its own median before
         top = [x for x in spike["layers"] if x["ratio"] is not None][:3]
         if top:
-            ratios = ", ".join(f"{one_line(x['layer'])} {x['ratio']:.3g}x" for x in top)
+            ratios = ", ".join(f"{short(x['layer'])} {x['ratio']:.3g}x" for x in top)
             click.echo(f"  step {spike['step']}: grad norm against the layer's median before it: {ratios}")
 
 
@@ -82,9 +82,9 @@ def report_cmd(run: str, as_json: bool) -> None:
 
 @nan.command("hunt")
 @run_argument
-@click.option("--shard", type=click.IntRange(0), default=None, help="The shard to replay (from `nan report`).")
+@click.option("--shard", type=WholeNumber(0), default=None, help="The shard to replay (from `nan report`).")
 @click.option("--checkpoint", type=click.Path(), default=None, help="The checkpoint whose weights to use.")
-@click.option("--step", type=click.IntRange(1), default=None, help="Replay this optimizer step's global batch.")
+@click.option("--step", type=WholeNumber(1), default=None, help="Replay this optimizer step's global batch.")
 @click.option("--json", "as_json", is_flag=True, help="Print the findings as JSON.")
 def hunt_cmd(run: str, shard: int | None, checkpoint: str | None, step: int | None, as_json: bool) -> None:
     """Replay one shard (or one step) of RUN in this process: module, examples, fields, provenance."""
@@ -111,7 +111,7 @@ def demo() -> None:
     show_default=True,
     help="shard: shard 47 from a later pipeline; lr: clean data, learning rate far too high.",
 )
-@click.option("--shards", type=click.IntRange(16, 10_000), default=200, show_default=True, help="Shards to write.")
+@click.option("--shards", type=WholeNumber(16, 10_000), default=200, show_default=True, help="Shards to write.")
 def demo_nan(root: str | None, variant: str, shards: int) -> None:
     """The seed's scenario: a NaN from shard 47's new category, found by report and hunt (2 ranks, gloo)."""
     from steadytrain.cli._common import log_handler

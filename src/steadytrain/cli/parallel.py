@@ -10,6 +10,7 @@ from pathlib import Path
 import click
 
 from steadytrain._text import one_line
+from steadytrain.cli._common import Number, WholeNumber
 
 
 @click.command("check-parallel")
@@ -22,11 +23,11 @@ from steadytrain._text import one_line
     metavar="replicate=R,shard=S,tp=T",
     help="The layout it must train like (default: one rank).",
 )
-@click.option("--steps", type=click.IntRange(1, 100_000), default=10, show_default=True, help="Optimizer steps each.")
+@click.option("--steps", type=WholeNumber(1, 100_000), default=10, show_default=True, help="Optimizer steps each.")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a config key.")
 @click.option(
     "--rtol",
-    type=click.FloatRange(0, 1, min_open=True),
+    type=Number(0, 1, min_open=True),
     default=None,
     help="Relative tolerance (default 1e-4 in fp32, 2e-2 in bf16/fp16).",
 )

@@ -8,25 +8,29 @@ import click
 from rich.table import Table
 from rich.text import Text
 
-from steadytrain.cli._common import console
+from steadytrain.cli._common import Number, WholeNumber, console
 from steadytrain.schedule import MAX_SWEEP, SCALING_RULES, BatchPlan
 
 
 @click.command()
-@click.option("--micro-batch-size", type=int, required=True, help="Examples per forward/backward on one device.")
-@click.option("--accumulation-steps", type=int, default=None, help="Micro-batches per optimizer step.")
-@click.option("--world-size", type=int, default=1, show_default=True, help="Data-parallel ranks.")
-@click.option("--global-batch-size", type=int, default=None, help="Target effective batch (derives accumulation).")
-@click.option("--base-lr", type=float, default=None, help="LR known to work at --base-batch-size.")
-@click.option("--base-batch-size", type=int, default=None, help="Batch size --base-lr was tuned at.")
+@click.option(
+    "--micro-batch-size", type=WholeNumber(), required=True, help="Examples per forward/backward on one device."
+)
+@click.option("--accumulation-steps", type=WholeNumber(), default=None, help="Micro-batches per optimizer step.")
+@click.option("--world-size", type=WholeNumber(), default=1, show_default=True, help="Data-parallel ranks.")
+@click.option(
+    "--global-batch-size", type=WholeNumber(), default=None, help="Target effective batch (derives accumulation)."
+)
+@click.option("--base-lr", type=Number(), default=None, help="LR known to work at --base-batch-size.")
+@click.option("--base-batch-size", type=WholeNumber(), default=None, help="Batch size --base-lr was tuned at.")
 @click.option("--scaling-rule", type=click.Choice(SCALING_RULES), default="linear", show_default=True)
-@click.option("--dataset-size", type=int, default=None, help="Examples per epoch, all ranks together.")
-@click.option("--epochs", type=int, default=1, show_default=True)
-@click.option("--warmup-steps", type=int, default=None, help="Warmup in optimizer steps.")
-@click.option("--warmup-ratio", type=float, default=None, help="Warmup as a fraction of all optimizer steps.")
+@click.option("--dataset-size", type=WholeNumber(), default=None, help="Examples per epoch, all ranks together.")
+@click.option("--epochs", type=WholeNumber(), default=1, show_default=True)
+@click.option("--warmup-steps", type=WholeNumber(), default=None, help="Warmup in optimizer steps.")
+@click.option("--warmup-ratio", type=Number(), default=None, help="Warmup as a fraction of all optimizer steps.")
 @click.option(
     "--sweep",
-    type=click.IntRange(0, MAX_SWEEP),
+    type=WholeNumber(0, MAX_SWEEP),
     default=5,
     show_default=True,
     help="LRs in the suggested sweep (0: none).",

@@ -11,8 +11,8 @@ from typing import Any
 
 import click
 
-from steadytrain._text import one_line
-from steadytrain.cli._common import run_argument
+from steadytrain._text import one_line, short
+from steadytrain.cli._common import WholeNumber, run_argument
 
 
 def _json(data: Any) -> None:
@@ -97,7 +97,7 @@ def compare(run_a: str, run_b: str, as_json: bool, plot: str | None) -> None:
 
 @click.command("repro")
 @run_argument
-@click.option("--steps", type=click.IntRange(1), default=None, help="Optimizer steps to re-run (default 20).")
+@click.option("--steps", type=WholeNumber(1), default=None, help="Optimizer steps to re-run (default 20).")
 @click.option("--out", type=click.Path(file_okay=False), default=None, help="Keep the re-run in this new directory.")
 @click.option("--json", "as_json", is_flag=True, help="Print the verdict as JSON.")
 def repro(run: str, steps: int | None, out: str | None, as_json: bool) -> None:
@@ -119,7 +119,7 @@ def repro(run: str, steps: int | None, out: str | None, as_json: bool) -> None:
 @click.command("sweep")
 @click.argument("config", required=False, type=click.Path(dir_okay=False))
 @click.option("--factors", default="0.25,0.5,1,2,4", show_default=True, help="Multiples of the linear LR estimate.")
-@click.option("--steps", type=click.IntRange(1), default=50, show_default=True, help="Optimizer steps per trial.")
+@click.option("--steps", type=WholeNumber(1), default=50, show_default=True, help="Optimizer steps per trial.")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a config key.")
 @click.option(
     "--sweep-dir", type=click.Path(file_okay=False), default=None, help="Where the trials go (default runs/sweep-NAME)."
@@ -144,19 +144,14 @@ def sweep(config: str | None, factors: str, steps: int, overrides: tuple[str, ..
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (a list of hangs).")
 def hangs(run: str, as_json: bool) -> None:
     """List the hangs the watchdog recorded in RUN: step, the stuck ranks, their phase, host and frame."""
-    from steadytrain.runs.hangs import read_hangs
+    from steadytrain.runs.hangs import hang_lines, read_hangs
 
     found = read_hangs(Path(run))
     if as_json:
         _json(found)
         return
-    if not found:
-        click.echo(f"{one_line(run)}: no hang recorded")
-    for h in found:
-        ranks = ", ".join(str(r) for r in h["stuck_ranks"])
-        click.echo(f"step {h['step']}: rank(s) {ranks} stuck in {h['phase']} on {one_line(str(h['host']))}")
-        click.echo(f"  at {one_line(str(h['frame']))}")
-        click.echo(f"  stacks: {one_line(h['dir'])}")
+    for line in hang_lines(run, found):
+        click.echo(line)
 
 
 @click.command("ranks")
@@ -175,14 +170,16 @@ def ranks(run: str, as_json: bool) -> None:
     for rank, ms in sorted(rep.ranks.items()):
         click.echo(f"  rank {rank}: {ms:.2f} ms per step of its own (data + forward, median)")
     for p in rep.parity:
-        more, on = len(p["tensors"]) - 5, f" on {p['host']}" if p.get("host") else ""
-        tensors = ", ".join(p["tensors"][:5]) + (f" and {more} more (--json lists all)" if more > 0 else "")
+        more, on = len(p["tensors"]) - 5, f" on {short(p['host'])}" if p.get("host") else ""
+        tensors = ", ".join(map(short, p["tensors"][:5])) + (f" and {more} more (--json lists all)" if more > 0 else "")
         click.echo(one_line(f"replicas disagreed at step {p['step']}: rank {p['rank']}{on}: {tensors}"))
 
 
 @click.command("triage")
 @run_argument
-@click.option("--step", type=int, required=True, help="The refused optimizer step to replay (nan report lists them).")
+@click.option(
+    "--step", type=WholeNumber(), required=True, help="The refused optimizer step to replay (nan report lists them)."
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the verdict and the replays as JSON.")
 def triage(run: str, step: int, as_json: bool) -> None:
     """Replay a refused step as variants (recorded, without the suspects, from an earlier state, twice): data, model
@@ -204,7 +201,7 @@ def triage(run: str, step: int, as_json: bool) -> None:
 
 @click.command("layers")
 @run_argument
-@click.option("--step", type=click.IntRange(1), default=None, help="The monitored step to show (default: the last).")
+@click.option("--step", type=WholeNumber(1), default=None, help="The monitored step to show (default: the last).")
 @click.option("--json", "as_json", is_flag=True, help='Print {"step": S, "layers": [rows]} as JSON.')
 def layers(run: str, step: int | None, as_json: bool) -> None:
     """Per-layer norms of one monitored step of RUN (RUN/layers.jsonl): grad norm, param norm, update norm, update

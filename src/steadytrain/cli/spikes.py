@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from steadytrain.cli._common import run_argument
+from steadytrain.cli._common import WholeNumber, run_argument
 from steadytrain.cli.nan import _json, _print_hunt, _print_report, demo
 
 
@@ -34,9 +34,9 @@ def report_cmd(run: str, as_json: bool) -> None:
 
 @spikes.command("hunt")
 @run_argument
-@click.option("--shard", type=click.IntRange(0), default=None, help="The shard to look into (from `spikes report`).")
+@click.option("--shard", type=WholeNumber(0), default=None, help="The shard to look into (from `spikes report`).")
 @click.option("--checkpoint", type=click.Path(), default=None, help="The checkpoint whose weights to use.")
-@click.option("--step", type=click.IntRange(1), default=None, help="Look into this optimizer step's global batch.")
+@click.option("--step", type=WholeNumber(1), default=None, help="Look into this optimizer step's global batch.")
 @click.option("--json", "as_json", is_flag=True, help="Print the findings as JSON.")
 def hunt_cmd(run: str, shard: int | None, checkpoint: str | None, step: int | None, as_json: bool) -> None:
     """Examples of one shard (or one step) of RUN whose loss is an outlier against healthy shards': their fields

@@ -7,9 +7,10 @@ import os
 import sys
 
 import click
-import yaml
 
-from steadytrain.cli._common import console, log_handler
+from steadytrain._text import one_line
+from steadytrain._yamlio import dump_yaml
+from steadytrain.cli._common import WholeNumber, console, log_handler
 
 
 def _setup_logging() -> None:
@@ -93,12 +94,10 @@ def _handoff(nproc: int, argv: list[str], max_restarts: int | None = None) -> No
     is_flag=True,
     help="Resume the run directory from its latest checkpoint if it has one, else start it (restarts, requeues).",
 )
-@click.option(
-    "--nproc", type=click.IntRange(1, 1024), default=None, help="Ranks on this machine (hands off to torchrun)."
-)
+@click.option("--nproc", type=WholeNumber(1, 1024), default=None, help="Ranks on this machine (hands off to torchrun).")
 @click.option(
     "--max-restarts",
-    type=click.IntRange(0, 1000),
+    type=WholeNumber(0, 1000),
     default=None,
     help="With --nproc: torchrun restarts failed ranks this many times; each restart resumes (--auto-resume).",
 )
@@ -140,6 +139,7 @@ def train(
     from steadytrain.runs.report import report_after_training
     from steadytrain.train.job.loop import TrainingStopped
     from steadytrain.train.job.loop import train as run_training
+    from steadytrain.train.job.resume import RunFinished
 
     _setup_logging()
     main = os.environ.get("RANK", "0") == "0"
@@ -155,6 +155,12 @@ def train(
         if main:  # every rank stops for the same reason: say it once
             click.echo(f"stopped: {err}", err=True)
         raise click.exceptions.Exit(err.exit_code) from None
+    except RunFinished as err:
+        if not auto:  # --resume of a finished run: the user's mistake (exit 2)
+            raise
+        if main:  # a requeue or a retry after the last step: done already, and that is success
+            click.echo(one_line(err.done), err=True)
+        raise click.exceptions.Exit(0) from None
 
 
 @click.group("config")
@@ -167,7 +173,7 @@ def config_group() -> None:
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a config key.")
 @click.option(
     "--world-size",
-    type=click.IntRange(1, 1_000_000),
+    type=WholeNumber(1, 1_000_000),
     default=None,
     help="Ranks to plan for (default: the ranks of distributed.mesh, else 1).",
 )
@@ -192,6 +198,6 @@ def show(config: str | None, overrides: tuple[str, ...], world_size: int | None)
     # the plan counts what the run trains on (without what it holds out)
     ds, _, _ = training_data(cfg, info, layout.global_batch_size, layout.accumulation_steps)
     plan = resolve_plan(cfg, world_size, ds.steps_per_epoch, ds.dropped_per_epoch)
-    click.echo(yaml.safe_dump(cfg.to_dict(), sort_keys=False), nl=False)
+    click.echo(dump_yaml(cfg.to_dict(), allow_unicode=False), nl=False)
     console.print("# derived (batch plan)")
-    click.echo(yaml.safe_dump({"plan": plan.to_dict()}, sort_keys=False), nl=False)
+    click.echo(dump_yaml({"plan": plan.to_dict()}, allow_unicode=False), nl=False)

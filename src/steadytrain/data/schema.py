@@ -23,10 +23,9 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import yaml
 
 from steadytrain._io import brief, read_text, write_text_atomic
-from steadytrain._yamlio import load_yaml
+from steadytrain._yamlio import dump_yaml, load_yaml
 from steadytrain.errors import UserError
 
 __all__ = ["KINDS", "POLICIES", "FieldSpec", "Schema", "SchemaError", "SchemaViolationError", "dtype_name"]
@@ -182,7 +181,7 @@ class Schema:
                 sidecar = path.with_name(f"{path.stem}.{_sidecar_part(name, used)}.vocab.txt")
                 write_text_atomic(sidecar, "".join(f"{_vocab_str(v)}\n" for v in vocab))
                 spec["vocabulary"] = sidecar.name
-        write_text_atomic(path, yaml.safe_dump(d, sort_keys=False, allow_unicode=True))
+        write_text_atomic(path, dump_yaml(d))
 
     @classmethod
     def load(cls, path: str | Path) -> Schema:

@@ -10,7 +10,6 @@ always names one shard, one rank, one position. Each yielded example is a dict o
 from __future__ import annotations
 
 import dataclasses
-import logging
 import operator
 import warnings
 from collections.abc import Callable, Iterator
@@ -32,8 +31,6 @@ from steadytrain.errors import UserError
 
 __all__ = ["ShardedDataset", "assign_shards", "collate_examples", "select_shards"]
 
-log = logging.getLogger(__name__)
-
 _ROWS_PER_CHUNK = 8192  # rows converted to Python at a time: bounded memory on large shards
 
 
@@ -46,6 +43,20 @@ def _refuse_batched_options(accumulation_steps: object, shuffle_window: object, 
             f"{name} is an option of the batched mode and would be ignored: give batch_size=B "
             "(micro-batches in the global order), or leave it out"
         )
+
+
+def _refuse_empty_ranks(world_size: int, shards: int, path: object) -> None:
+    """More ranks than shards leave some ranks without a shard: refused on every rank (the ranks with shards would
+    wait for the others in their first collective), before anything is read."""
+    if world_size <= shards:
+        return
+    empty = f"rank {shards}" if shards == world_size - 1 else f"ranks {shards}-{world_size - 1}"
+    raise UserError(
+        f"world_size={world_size} is more ranks than the {shards} shard(s) selected in {brief(str(path))}: whole "
+        f"shards go to ranks, so {empty} would get no examples (a rank without examples stalls the others' "
+        f"collectives): use at most {shards} ranks, write the data in at least {world_size} shards, or give "
+        "batch_size=B (the batched mode splits examples, not shards)"
+    )
 
 
 def assign_shards(
@@ -85,8 +96,9 @@ class ShardedDataset(IterableDataset):
             its options); ``None`` (default) yields one dict per example, whole shards per rank.
 
     Raises:
-        UserError: bad rank/world size/policy/seed/epoch, a flag that is not a bool, or a batched-mode option
-            (``accumulation_steps``, ``shuffle_window``, ``transform``) without ``batch_size`` (a ``ValueError``).
+        UserError: bad rank/world size/policy/seed/epoch, a flag that is not a bool, a batched-mode option
+            (``accumulation_steps``, ``shuffle_window``, ``transform``) without ``batch_size`` (a ``ValueError``),
+            or more ranks (``world_size``) than selected shards: some ranks would get no examples.
         DatasetError: shard ids twice, or not in the index; when read, a shard whose columns or types differ
             from the first selected shard's.
     """
@@ -126,13 +138,8 @@ class ShardedDataset(IterableDataset):
         _refuse_batched_options(accumulation_steps, shuffle_window, transform)
         self.dataset = path if isinstance(path, Dataset) else open_dataset(path)
         self.shard_ids = select_shards(self.dataset, shards)
+        _refuse_empty_ranks(world_size, len(self.shard_ids), self.dataset.path)
         self.columns = ColumnGuard(self.dataset, self.shard_ids, verify=verify, skip_corrupt=skip_corrupt)
-        if rank >= len(self.shard_ids):
-            log.warning(
-                "rank %d of %d gets no shards (%s has %d selected): it yields no examples; "
-                "use at most %d ranks or write more, smaller shards",
-                rank, world_size, self.dataset.path, len(self.shard_ids), max(len(self.shard_ids), 1),
-            )  # fmt: skip
         self.rank, self.world_size, self.shuffle, self.seed = rank, world_size, bool(shuffle), seed
         self.schema, self.policy, self.skip_corrupt, self.verify = schema, policy, bool(skip_corrupt), bool(verify)
         self.epoch = epoch

@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from steadytrain._text import short
 from steadytrain.accumulate import NonFiniteEvent
 from steadytrain.data.sourcemap import read_sources
 from steadytrain.diagnose.layers import attribution_sentence, read_layers, spike_layers
@@ -338,7 +339,7 @@ def _machines(run_dir: Path, ledger: str, events: list, steps: dict) -> tuple[li
 def _rank_report(machines, stats, ranks, steps, localized, words) -> NonFiniteReport:
     found, _, hosts = machines
     names = ", ".join(str(s.rank) for s in found)
-    on = f" on {', '.join(hosts)}" if hosts else ""
+    on = f" on {', '.join(map(short, hosts))}" if hosts else ""  # suspect_hosts has them whole
     k, expected, p = sum(s.flagged for s in found), sum(s.expected for s in found), min(s.p_value for s in found)
     sentence = (
         f"rank-selective: {sum(s.events for s in found)} of {len(steps)} {words['step']}s were flagged on rank(s) "

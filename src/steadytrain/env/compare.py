@@ -9,10 +9,50 @@ from steadytrain._io import one_line
 from steadytrain._mapping import flatten
 from steadytrain.env._schema import SCOPES, as_dict
 
-__all__ = ["Difference", "compare_ranks", "diff", "summarize"]
+__all__ = ["NUMERICS", "Difference", "compare_ranks", "diff", "numerics_first", "summarize"]
 
 # Fields that identify a machine or a moment rather than describe it: not compared between ranks.
 IDENTITY = {"captured_at", "host.hostname"}
+
+NUMERICS = (
+    "image.torch",
+    "image.packages.torch",
+    "image.cuda",
+    "image.cudnn",
+    "image.nccl",
+    "host.nvidia_driver",
+    "host.kernel",
+    "image.python",
+)
+"""The fields that decide a run's numbers, listed before every other difference (in this order): a changed torch,
+CUDA or driver must not hide behind thirty changed packages."""
+_NUMERIC_PACKAGES = "image.packages.nvidia-"
+"""CUDA's own libraries as pip installs them (``nvidia-cudnn-cu12``, ``nvidia-nccl-cu12``...): right after."""
+
+
+def _rank(path: str) -> int:
+    """Where a field comes in a list of differences: :data:`NUMERICS` first, CUDA's pip libraries, then the rest."""
+    if path in NUMERICS:
+        return NUMERICS.index(path)
+    return len(NUMERICS) + (0 if path.startswith(_NUMERIC_PACKAGES) else 1)
+
+
+def numerics_first(paths: list[Any], path: Any = lambda d: d.path) -> list[Any]:
+    """``paths`` (differences, or anything ``path`` takes a dotted path from) with what decides numerics first
+    (:data:`NUMERICS`, then CUDA's pip libraries), then the rest in scope order (image, host, code, settings),
+    alphabetically within a scope.
+
+    Example:
+        >>> numerics_first(["image.packages.numpy", "code.git_commit", "host.nvidia_driver", "image.torch"], str)
+        ['image.torch', 'host.nvidia_driver', 'image.packages.numpy', 'code.git_commit']
+    """
+    scopes = {s: i for i, s in enumerate(SCOPES)}
+
+    def key(item: Any) -> tuple[int, int, str]:
+        where = path(item)
+        return _rank(where), scopes.get(where.split(".", 1)[0], len(scopes)), where
+
+    return sorted(paths, key=key)
 
 
 @dataclass(frozen=True)
@@ -30,7 +70,8 @@ class Difference:
 
 
 def diff(a: Any, b: Any, *, ignore: set[str] | None = None) -> list[Difference]:
-    """Every field that differs, with its scope, image first, then host, code, settings.
+    """Every field that differs, with its scope, image first, then host, code, settings; within a scope what decides
+    numerics first (:func:`numerics_first`: a changed torch before thirty changed packages), then alphabetically.
 
     Args:
         a: an ``EnvManifest`` or its ``to_dict()`` form.
@@ -52,7 +93,7 @@ def diff(a: Any, b: Any, *, ignore: set[str] | None = None) -> list[Difference]:
     out: list[Difference] = []
     for scope in SCOPES:
         fa, fb = flatten(da.get(scope), scope), flatten(db.get(scope), scope)
-        for path in sorted(fa.keys() | fb.keys()):
+        for path in numerics_first(list(fa.keys() | fb.keys()), str):
             if path in ignore:
                 continue
             va, vb = fa.get(path), fb.get(path)
@@ -62,7 +103,8 @@ def diff(a: Any, b: Any, *, ignore: set[str] | None = None) -> list[Difference]:
 
 
 def summarize(diffs: list[Difference]) -> str:
-    """One line: which scopes are identical and what differs, e.g. ``image identical; host differs: ...``."""
+    """One line: which scopes are identical and what differs, e.g. ``image identical; host differs: ...`` (the
+    first three of a scope in :func:`diff`'s order: what decides numerics first)."""
     parts = []
     for scope in SCOPES:
         mine = [d for d in diffs if d.scope == scope]

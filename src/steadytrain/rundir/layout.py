@@ -18,10 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
 from filelock import FileLock, Timeout
 
 from steadytrain._io import brief, ensure_dir, read_text, utc_now, write_text_atomic
+from steadytrain._yamlio import dump_yaml
 from steadytrain.errors import UserError
 
 __all__ = ["RunDir", "claim_run_dir", "exists_error", "lock_run", "open_run_dir", "record_owner"]
@@ -53,7 +53,7 @@ class RunDir:
         write_text_atomic(path, json.dumps(data, indent=2, allow_nan=False, default=str) + "\n")
 
     def write_config(self, config: dict[str, Any]) -> None:
-        write_text_atomic(self.config, yaml.safe_dump(config, sort_keys=False, allow_unicode=True))
+        write_text_atomic(self.config, dump_yaml(config))
 
 
 def exists_error(path: Path) -> UserError:

@@ -11,7 +11,7 @@ import bisect
 from pathlib import Path
 from typing import Any
 
-from steadytrain._io import one_line
+from steadytrain._text import short
 from steadytrain.diagnose.layers import LAYERS, NORMS, by_step, read_layers
 from steadytrain.errors import UserError
 from steadytrain.rundir.layout import open_run_dir
@@ -60,7 +60,9 @@ def _number(value: float | None) -> str:
 
 def table_lines(found: dict[str, Any]) -> list[str]:
     """The text of :func:`layer_step`'s answer: a heading, one line per layer (a rolled-back try of the step under
-    a heading of its own), and what ``n/a`` means when it appears.
+    a heading of its own), and what ``n/a`` means when it appears. A name longer than
+    :data:`~steadytrain._text.SHORT` characters is shortened in the middle, as the plots shorten it (``--json`` has
+    it whole).
 
     Example:
         >>> print("\\n".join(table_lines({"step": 3, "layers": [
@@ -74,7 +76,7 @@ def table_lines(found: dict[str, Any]) -> list[str]:
     if found["step"] is None:
         return [NONE_RECORDED]
     rows = found["layers"]
-    names = [one_line(r["layer"]) for r in rows]
+    names = [short(r["layer"]) for r in rows]  # a 200 KB name would pad every row
     width = max(len(_HEADER[0]), *map(len, names))
     cols = [len(h) for h in _HEADER[1:]]
     lines, current = [], object()

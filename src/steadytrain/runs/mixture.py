@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from steadytrain._check import check_finite, check_int, check_type
-from steadytrain._text import brief, md
+from steadytrain._text import brief, md, short
 from steadytrain.data.sourcemap import SOURCES_FILE, SOURCES_FIX, SourceMap, read_sources
 from steadytrain.errors import UserError
 from steadytrain.rundir.schema import METRICS_FIX
@@ -166,7 +166,9 @@ def _loss(found: tuple[int, float | None] | None, what: str = "") -> str:
 def summary_lines(rec: RunRecord, sources: SourceMap) -> list[str]:
     """The summary's Sources part: the source ``run.epochs`` counts, the schedule's steps, and a table of each
     source's weight, examples seen, epochs, final training loss and best loss (every name through ``md``)."""
-    largest = f"source {md(sources.largest)}" if sources.largest is not None else "a source sources.json does not name"
+    largest = (
+        f"source {md(short(sources.largest))}" if sources.largest is not None else "a source sources.json does not name"
+    )
     changes = sorted({int(e["step"]) for e in sources.schedule})
     schedule = f"; `data.mix_schedule` changes them from step(s) {', '.join(map(str, changes[:20]))}" if changes else ""
     more = f" and {len(changes) - 20} more" if len(changes) > 20 else ""
@@ -183,8 +185,8 @@ def summary_lines(rec: RunRecord, sources: SourceMap) -> list[str]:
         examples = DASH if row.examples is None else str(row.examples)
         epochs = DASH if row.epochs is None else f"{row.epochs:.2f}"
         lines.append(
-            f"| {md(row.name)} | {row.weight:.4g} ({row.share:.1%}) | {examples} | {epochs} | {_loss(row.final)} "
-            f"| {_loss(row.best, row.best_of + ', ')} |"
+            f"| {md(short(row.name))} | {row.weight:.4g} ({row.share:.1%}) | {examples} | {epochs} | "
+            f"{_loss(row.final)} | {_loss(row.best, row.best_of + ', ')} |"
         )
     return [*lines, ""]
 

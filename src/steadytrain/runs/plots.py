@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from steadytrain._io import brief, one_line, write_atomic
+from steadytrain._text import short
 from steadytrain.errors import UserError
 from steadytrain.runs.record import RunRecord, smooth
 from steadytrain.schedule import lr_multiplier
@@ -57,8 +58,10 @@ def _figure(size: tuple[float, float] = SIZE, *, fixed: bool = False) -> Any:
 
 
 def _label(text: str) -> str:
-    """A run name or path inside a title or legend: one line, and a ``$`` is a dollar, not mathtext."""
-    return one_line(text).replace("$", r"\$")
+    """A run name, path or layer name inside a title, legend or axis: one line, at most
+    :data:`~steadytrain._text.SHORT` characters (:func:`~steadytrain._text.short`, as the text tables), and a ``$``
+    is a dollar, not mathtext."""
+    return short(text).replace("$", r"\$")
 
 
 def is_ours(path: Path) -> bool:

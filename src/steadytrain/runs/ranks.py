@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from steadytrain._io import read_jsonl
-from steadytrain._text import brief
+from steadytrain._text import brief, short
 from steadytrain.errors import UserError
 from steadytrain.rundir.layout import open_run_dir
 
@@ -185,8 +185,10 @@ def _sentence(found: list[Straggler], intervals: int, ranks: int, compared: bool
     if not found:
         return f"no straggler: no rank was consistently slower than the others ({ranks} ranks, {intervals} intervals)"
     parts = [
-        f"rank {s.rank}" + (f" on {s.host}" if s.host else "") + f" was slower in {s.slow_intervals} of {s.intervals} "
-        f"intervals, by {s.excess_ms_per_step:.1f} ms per step: the others waited {s.cost_s:.2f} s for it"
+        f"rank {s.rank}"
+        + (f" on {short(s.host)}" if s.host else "")
+        + f" was slower in {s.slow_intervals} of {s.intervals} intervals, by {s.excess_ms_per_step:.1f} ms per "
+        f"step: the others waited {s.cost_s:.2f} s for it"
         for s in found
     ]
     return "straggler: " + "; ".join(parts) + " (its data loading or forward; look at that machine)"

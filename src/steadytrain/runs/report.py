@@ -289,8 +289,8 @@ def _restart_lines(rec: RunRecord) -> list[str]:
     rows = read_restarts(rec.run)
     if not rows:
         return []
-    lost = sum(float(r.get("lost_s") or 0.0) for r in rows)
-    why = "; ".join(f"step {r['step']}: {md(shown(r.get('reason')))}" for r in rows)
+    lost = sum(r["lost_s"] for r in rows)  # checked as it was read: a finite number >= 0
+    why = "; ".join(f"step {r['step']}: {md(shown(r['reason']))}" for r in rows)
     return [f"restarted {len(rows)} time(s), {lost:.1f} s lost (`restarts.jsonl`): {why}"]
 
 

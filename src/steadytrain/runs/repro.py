@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from steadytrain._check import check_int
-from steadytrain._text import error_text, one_line
+from steadytrain._text import error_text, one_line, short
 from steadytrain.env import SCOPES, diff
-from steadytrain.env.compare import IDENTITY
+from steadytrain.env.compare import IDENTITY, numerics_first
 from steadytrain.errors import UserError
 from steadytrain.runs.record import RunRecord, load_run, shown
 
@@ -128,7 +128,8 @@ def env_differences(recorded: dict[str, Any] | None, now: dict[str, Any] | None)
 def _env_phrase(env: dict[str, list[dict[str, Any]]] | None) -> str:
     if env is None:
         return "no environment record to compare this machine with (env.json is missing): the environment is unknown"
-    items = [f"{one_line(d['path'])} {shown(d['a'])} recorded, {shown(d['b'])} here" for s in SCOPES for d in env[s]]
+    found = numerics_first([d for s in SCOPES for d in env[s]], lambda d: d["path"])  # torch before 30 packages
+    items = [f"{short(d['path'])} {shown(d['a'])} recorded, {shown(d['b'])} here" for d in found]
     if not items:
         return "the environment is the same as recorded (image, host, code, settings)"
     more = f" (+{len(items) - 4} more)" if len(items) > 4 else ""

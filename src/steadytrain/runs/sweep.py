@@ -6,10 +6,16 @@ short training (same seed, data and schedule shape) at LR = factor x (base LR x 
 batch), in its own run directory under one sweep directory. The sweep writes ``sweep.json``,
 ``sweep.md`` (a table) and ``loss_vs_lr.png``, names the best factor and says whether the estimate
 held up. Trials run one after another; under torchrun every trial uses all ranks.
+
+The same sweep (factors, steps, ranks and config) run again into its ``--sweep-dir`` picks up where it stopped
+(``resuming: k of n trials done``; the trial a signal stopped resumes from its checkpoint), and once finished trains
+nothing and says so (``sweep-state.json`` records what was asked and each trial done). Any other sweep there is
+refused before anything trains.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -18,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from steadytrain._check import check_int
-from steadytrain._io import brief, ensure_dir, write_text_atomic
+from steadytrain._io import brief, ensure_dir, load_json, write_text_atomic
 from steadytrain._text import md
 from steadytrain.errors import UserError
 from steadytrain.runs.record import load_run, smooth
@@ -145,8 +151,9 @@ def _trial_config(cfg: Any, factor: float, steps: int) -> Any:
     return trial
 
 
-def _trial_configs(cfg: Any, factors: list[float], steps: int, root: Path, world: int) -> list[Any]:
-    """Every trial's config, checked before the first one trains: a bad factor costs no training."""
+def _trial_configs(cfg: Any, factors: list[float], steps: int, root: Path, world: int, resumed: bool) -> list[Any]:
+    """Every trial's config, checked before the first one trains: a bad factor costs no training. ``resumed``: the
+    same sweep ran here before, and the trial it was stopped in is resumed (its directory may exist)."""
     from steadytrain.train.setup.pieces import batch_plan
 
     out = []
@@ -156,7 +163,7 @@ def _trial_configs(cfg: Any, factors: list[float], steps: int, root: Path, world
         if lr is not None and not (math.isfinite(lr) and lr > 0):
             raise UserError(f"--factors: factor {factor:g} gives LR {lr}: not a usable learning rate; lower it")
         where = root / f"lr-x{factor_tag(factor)}"
-        if where.exists():
+        if where.exists() and not (resumed and factor == factors[0]):
             raise UserError(f"{where} exists (an earlier sweep?): choose another --sweep-dir (runs are never replaced)")
         out.append(trial)
     return out
@@ -171,30 +178,60 @@ def _sweep_dir(path: str | Path) -> Path:
     return ensure_dir(path, "--sweep-dir")
 
 
-SWEEP_FILES = ("sweep.json", "sweep.md", "loss_vs_lr.png")
+STATE = "sweep-state.json"
+"""What the sweep asked for (factors, steps, world size, config) and each trial done: written before the first trial
+and after each one, so the same sweep run again resumes (or, finished, trains nothing)."""
+SWEEP_FILES = ("sweep.json", "sweep.md", "loss_vs_lr.png", STATE)
 
 
-def _check_new(path: Path) -> None:
-    """A sweep directory that holds an earlier sweep (its files or trials) is refused: the table, the plot and the
-    verdict would be replaced by those of trials that never ran beside the earlier ones."""
+def _request(cfg: Any, factors: list[float], steps: int, world: int) -> dict[str, Any]:
+    """What makes two sweeps the same one, as JSON reads it back."""
+    asked = {"factors": factors, "steps": steps, "world_size": world, "config": cfg.to_dict()}
+    return json.loads(json.dumps(asked, allow_nan=False, default=str))
+
+
+def _done(path: Path, request: dict[str, Any]) -> tuple[list[dict[str, Any]] | None, bool]:
+    """The trials already done in ``path`` by this same sweep (None: no sweep ran there), and whether it is finished
+    (every trial done and ``sweep.json`` written).
+
+    Raises:
+        UserError: ``path`` holds an earlier sweep that is not this one (other factors, steps, ranks or config, or
+            one without ``sweep-state.json``), or a ``sweep-state.json`` that is not one.
+    """
     try:
         earlier = sorted(p.name for p in path.iterdir() if p.name in SWEEP_FILES or p.name.startswith("lr-x"))
     except OSError:  # absent (created), or not a directory (ensure_dir says so)
-        return
-    if earlier:
+        return None, False
+    if not earlier:
+        return None, False
+    state = load_json(path / STATE, what="sweep state") if STATE in earlier else None
+    if not isinstance(state, dict) or state.get("request") != request:
         shown = ", ".join(earlier[:3]) + (", ..." if len(earlier) > 3 else "")
+        other = " with other factors, steps, ranks or config" if state is not None else ""
         raise UserError(
             f"--sweep-dir {brief(str(path))}: {shown} {'exists' if len(earlier) == 1 else 'exist'} (an earlier "
-            "sweep): give another --sweep-dir (a sweep never adds to or replaces another)"
+            f"sweep{other}): give another --sweep-dir (a sweep never adds to or replaces another; the same sweep run "
+            "again resumes)"
         )
+    trials = state.get("trials")
+    keys = {"factor", "lr", "final_loss", "smoothed_loss", "diverged", "run_dir"}
+    if not isinstance(trials, list) or not all(isinstance(t, dict) and keys <= t.keys() for t in trials):
+        raise UserError(
+            f"{path / STATE}: trials must be a list of the trials' results ({', '.join(sorted(keys))}): the file "
+            "was changed by hand; remove it and give another --sweep-dir"
+        )
+    by = {t["factor"]: t for t in trials}
+    done = [by[f] for f in request["factors"] if f in by]
+    return done, len(done) == len(request["factors"]) and "sweep.json" in earlier
 
 
 def _trial(trial_cfg: Any, factor: float, where: Path) -> dict[str, Any]:
+    """Train one trial (resuming its run directory, when an interrupted sweep left it) and read its result."""
     from steadytrain.train.job.loop import Interrupted, TrainingStopped, train
 
     stopped = None
     try:
-        train(trial_cfg, run_dir=where)
+        train(trial_cfg, run_dir=where, auto_resume=where.exists())
     except Interrupted as err:  # Ctrl-C stops the sweep, not only this trial
         text = f"sweep stopped by a signal during the trial at factor {factor:g}: {err}"
         raise Interrupted(text, err.exit_code) from None
@@ -285,32 +322,45 @@ def sweep(cfg: Any, factors: list[float], steps: int, sweep_dir: str | Path) -> 
         cfg: the :class:`~steadytrain.train.setup.config.TrainConfig` to sweep (its batch plan is the target).
         factors: multiples of the linear-scaling estimate to try.
         steps: optimizer steps per trial.
-        sweep_dir: the sweep's directory; each trial's run directory is new inside it (never overwritten).
+        sweep_dir: the sweep's directory; each trial's run directory is new inside it (never overwritten). The
+            same sweep run there again resumes it, or, finished, trains nothing and returns its result.
 
     Raises:
         UserError: factors a sweep cannot run (:func:`check_factors`), a trial config or LR that is not
-            valid, a ``sweep_dir`` holding an earlier sweep, a ``sweep_dir`` that cannot be a directory; all before
+            valid, a ``sweep_dir`` holding another sweep, a ``sweep_dir`` that cannot be a directory; all before
             the first trial trains.
         Interrupted: SIGINT/SIGTERM during a trial (``exit_code`` 130/143): no further trial starts.
     """
-    import json
-
     from steadytrain.runs.plots import sweep_plot
 
     factors = check_factors(factors)
     check_int("steps", steps)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     estimate, scale_up = linear_estimate(cfg, world)
-    _check_new(Path(sweep_dir))
-    configs = _trial_configs(cfg, factors, steps, Path(sweep_dir), world)
+    request = _request(cfg, factors, steps, world)
+    earlier, finished = _done(Path(sweep_dir), request)
+    trials = list(earlier or [])
+    todo = [f for f in factors if f not in {t["factor"] for t in trials}]
+    configs = _trial_configs(cfg, todo, steps, Path(sweep_dir), world, resumed=earlier is not None)
     root = _sweep_dir(sweep_dir)
-    trials = []
-    for n, (factor, trial_cfg) in enumerate(zip(factors, configs, strict=True), start=1):
+    main = int(os.environ.get("RANK", "0")) == 0
+    if finished:
+        log.info("%s: this sweep is finished (%d of %d trials done): nothing to train", root, len(trials), len(factors))
+        return Sweep(root, estimate, scale_up, trials, *verdict(trials, scale_up))
+    if earlier is not None:
+        log.info("resuming: %d of %d trials done (%s)", len(trials), len(factors), root)
+    elif main:
+        write_text_atomic(root / STATE, json.dumps({"request": request, "trials": []}, allow_nan=False) + "\n")
+    for factor, trial_cfg in zip(todo, configs, strict=True):
+        n = len(trials) + 1
         log.info("trial %d/%d: factor %g, LR %.4g, %d steps", n, len(factors), factor, factor * estimate, steps)
         trials.append(_trial(trial_cfg, factor, root / f"lr-x{factor_tag(factor)}"))
+        if main:
+            write_text_atomic(root / STATE, json.dumps({"request": request, "trials": trials}, allow_nan=False) + "\n")
+    trials.sort(key=lambda t: t["factor"])
     best, held, text = verdict(trials, scale_up)
     result = Sweep(root, estimate, scale_up, trials, best, held, text)
-    if int(os.environ.get("RANK", "0")) == 0:
+    if main:
         write_text_atomic(root / "sweep.json", json.dumps(result.to_dict(), indent=2, allow_nan=False) + "\n")
         try:
             sweep_plot(trials, estimate, f"{_name(root)}: loss against learning rate ({steps} steps)",

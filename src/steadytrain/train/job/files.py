@@ -17,11 +17,12 @@ from steadytrain._text import md
 from steadytrain._yamlio import load_yaml
 from steadytrain.data.sourcemap import SOURCES_FILE, SourceMap, mixture_fingerprint
 from steadytrain.errors import UserError
+from steadytrain.rundir.hangs import read_restarts
 from steadytrain.rundir.layout import RunDir, claim_run_dir, lock_run, open_run_dir
 from steadytrain.rundir.schema import check_plan, read_metrics, read_resumes
 from steadytrain.train.observe.throughput import describe, summarize
 from steadytrain.train.setup.config import resolved_config
-from steadytrain.train.setup.distributed import DistInfo, agree, barrier
+from steadytrain.train.setup.distributed import DistInfo, agree, barrier, from_main
 
 if TYPE_CHECKING:
     from steadytrain.train.job.core import Job
@@ -50,8 +51,9 @@ def prepare(
     Returns ``(run, lock, changes)``; ``lock`` is None on other ranks (release it when done).
     """
     from steadytrain.train.checkpoint.catalog import check_latest
+    from steadytrain.train.job.resume import RunFinished
 
-    error, lock, changes = None, None, {}
+    error, lock, changes, finished = None, None, {}, None
     path = Path(resume or run_dir or Path(cfg.run.dir) / cfg.run.name)
     if info.is_main:
         try:
@@ -74,9 +76,12 @@ def prepare(
                     run.write_json(run.data, describe_mixture(sources, validation=cfg.eval.data))
         except UserError as err:
             error = str(err)
+            finished = err if isinstance(err, RunFinished) else None
             if lock is not None:
                 lock.release()
     # only rank 0 touched the run directory: every rank stops with its error (or goes on), none waits forever
+    if resume is not None and from_main(info, finished is not None):  # nothing to train: not a failure either
+        raise finished or RunFinished("another rank found the run finished (its log says so)")
     agree(info, error)
     return RunDir(path), lock, changes
 
@@ -90,6 +95,7 @@ def check_run_files(run: RunDir, plan: dict[str, Any]) -> None:
     check_plan(plan, str(run.plan))
     read_metrics(run.metrics)
     read_resumes(run.resumes)
+    read_restarts(run.restarts)
     read_ledger(run.path)
     read_ledger(run.path, SPIKES)
     read_exposure(run.path)

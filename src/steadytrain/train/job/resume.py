@@ -19,7 +19,26 @@ from steadytrain._io import append_jsonl, brief, utc_now
 from steadytrain._mapping import flatten
 from steadytrain.errors import UserError
 
-__all__ = ["apply_hyperparameters", "config_changes", "hyperparameters", "record_resume", "refuse_changes"]
+__all__ = [
+    "RunFinished",
+    "apply_hyperparameters",
+    "config_changes",
+    "hyperparameters",
+    "record_resume",
+    "refuse_changes",
+]
+
+
+class RunFinished(UserError):
+    """A resume of a run with nothing left to train (its planned last step, or its early stop, is behind it):
+    ``--resume`` says so as an error; ``--auto-resume`` (a Slurm requeue, a retry after the last step) exits 0
+    with :attr:`done`, training and recording nothing."""
+
+    def __init__(self, message: str, done: str | None = None) -> None:
+        super().__init__(message)
+        self.done = done or message
+        """The one line ``--auto-resume`` says (on rank 0)."""
+
 
 _REFUSED = {
     "model.": "the checkpoint's weights belong to the model it was saved from",
@@ -139,9 +158,11 @@ def refuse_changes(
         )
     total = plan.get("total_steps")
     if total is not None and total <= step:
-        raise UserError(
-            f"--resume {run}: the run is at optimizer step {step} and plans {total}: nothing to do; extend it "
-            f"with --set run.max_steps=N (N > {step})"
+        extend = f"extend it with --set run.max_steps=N (N > {step})"
+        raise RunFinished(
+            f"--resume {run}: the run is at optimizer step {step} and plans {total}: nothing to do; {extend}",
+            f"--auto-resume {run}: the run had already finished (optimizer step {step} of {total}): nothing to "
+            f"train, nothing recorded; to train on, {extend}",
         )
 
 

@@ -32,6 +32,7 @@ from typing import Any
 import torch.distributed as dist
 
 from steadytrain._io import write_text_atomic
+from steadytrain.rundir.hangs import HANG_FILE, hang_dir, stack_file
 from steadytrain.train.setup.distributed import DistInfo, from_main
 
 __all__ = ["HANG_EXIT_CODE", "Beat", "Watchdog", "hang_dir", "start_watchdog", "watchdog_seconds"]
@@ -54,10 +55,6 @@ def watchdog_seconds(setting: float | None, world_size: int) -> float:
     if setting is not None:
         return float(setting)
     return DEFAULT_S if world_size > 1 and "TORCHELASTIC_RUN_ID" in os.environ else 0.0
-
-
-def hang_dir(run: Path, step: int) -> Path:
-    return run / "hangs" / f"step-{step:08d}"
 
 
 @dataclass
@@ -157,11 +154,11 @@ class Watchdog:
         try:
             where.mkdir(parents=True, exist_ok=True)
             report = self._report()
-            write_text_atomic(where / f"rank-{self.rank:05d}.txt", _stacks(report))
+            write_text_atomic(stack_file(where, self.rank), _stacks(report))
             self.store.set(f"report/{self.rank}", json.dumps(report))
             if self.rank == 0:
                 _write_hang(where, step, self._reports())
-                log.error("hang at step %d: see %s", step, where / "hang.json")
+                log.error("hang at step %d: see %s", step, where / HANG_FILE)
                 self.store.set("done", "1")
                 time.sleep(min(1.0, self.poll_s * 2))  # the others read it before this rank's store goes
             else:
@@ -226,7 +223,7 @@ def _write_hang(where: Path, step: int, reports: dict[int, dict[str, Any] | None
         "frame": first.get("frame"),
         "ranks": {str(rank): r for rank, r in reports.items()},
     }
-    write_text_atomic(where / "hang.json", json.dumps(record, indent=2) + "\n")
+    write_text_atomic(where / HANG_FILE, json.dumps(record, indent=2) + "\n")
 
 
 def start_watchdog(setting: float | None, info: DistInfo, run: Path, beat: Beat) -> Watchdog | None:

@@ -11,7 +11,7 @@ import copy
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from steadytrain._check import MAX_SEQ_LEN
 from steadytrain._io import brief
@@ -39,16 +39,16 @@ __all__ = ["SpikeConfig", "TrainConfig", "apply_overrides", "error_line", "load_
 DEFAULT_EVAL = {"holdout_shards": 2, "every_steps": 25, "max_batches": 32}
 """The embedded default run's validation: 2 shards of its corpus held out, evaluated every 25 steps on
 their first 32 micro-batches (512 sequences: a fraction of a second)."""
-DEFAULT_USER_EVAL = {"holdout_fraction": 0.05, "every_steps": 25, "max_batches": 32}
+DEFAULT_USER_EVAL = {"holdout_fraction": 0.05, "every_steps": "auto", "max_batches": 32}
 """A ``data.path`` dataset's validation when the config names no source (``eval.data``, ``eval.holdout_shards``,
-``eval.holdout_fraction``; one set to null: none): 5% of it held out, evaluated as the embedded default run is."""
+``eval.holdout_fraction``; one set to null: none): 5% of it held out, at a cadence under 5% of the run's time."""
 _EVAL_SOURCES = ("data", "holdout_shards", "holdout_fraction")
 TINY_LM_KEYS = ("dim", "layers", "heads", "seq_len", "vocab_size")
 """tiny-lm's keyword arguments (those of ``steadytrain.train.setup.models.TinyLM``): a misspelt one is refused with
 the config, before torch is imported."""
 
 
-class ModelConfig(BaseModel):
+class ModelConfig(Section):
     model_config = ConfigDict(extra="allow", use_attribute_docstrings=True)
     name: str = "tiny-lm"
     """``tiny-lm``, ``tabular``, ``package.module:factory`` (its other keys are keyword arguments), or a Hugging Face
@@ -66,13 +66,6 @@ class ModelConfig(BaseModel):
     ac_blocks: str | None = None
     """The attribute holding the model's blocks (an ``nn.ModuleList``, e.g. ``transformer.h``); absent: the
     ``nn.ModuleList`` with the most parameters."""
-
-    @field_validator("ac_every", mode="before")
-    @classmethod
-    def _no_flag(cls, value: Any) -> Any:
-        if isinstance(value, bool):
-            raise ValueError(f"{str(value).lower()} is a flag, not a number: give a number")
-        return value
 
     @model_validator(mode="after")
     def _tiny_lm_keys(self) -> ModelConfig:
@@ -95,7 +88,7 @@ class DataConfig(Section):
     """A schema YAML validated at load time; absent: no load-time validation."""
     policy: Literal["raise", "drop", "clamp"] = "raise"
     """What a schema violation does at load time."""
-    shuffle_window: int = Field(default=8, ge=1)
+    shuffle_window: int = Field(default=8, ge=1, le=MAX_COUNT)
     """Shards whose rows are shuffled together (memory: this many decoded shards)."""
     seq_len: int = Field(default=128, ge=8, le=MAX_SEQ_LEN)
     """Tokens per sequence of the embedded corpus and tiny-lm's context (``data ingest`` datasets set their own)."""
@@ -178,7 +171,7 @@ class OptimConfig(Section):
 class EvalConfig(Section):
     data: str | None = None
     """A validation dataset directory (same format as ``data.path``); or ``holdout_shards``/``holdout_fraction``."""
-    holdout_shards: int | None = Field(default=None, ge=1)
+    holdout_shards: int | None = Field(default=None, ge=1, le=MAX_COUNT)
     """Shards of the training dataset held out for validation (chosen from ``run.seed``, never trained on)."""
     holdout_fraction: float | None = Field(default=None, gt=0, lt=1)
     """A fraction of the training data held out for validation (chosen from ``run.seed``, never trained on): whole
@@ -186,13 +179,14 @@ class EvalConfig(Section):
     start, when the rest would not fill a global batch. A ``data.path`` dataset with none of ``eval.data``,
     ``eval.holdout_shards``, ``eval.holdout_fraction`` holds out ``0.05``, evaluated as the embedded default run is
     (set one of them to ``null`` for no validation)."""
-    every_steps: int | None = Field(default=None, ge=1)
-    """Optimizer steps between evaluations (one always runs at the end)."""
-    max_batches: int | None = Field(default=None, ge=1)
+    every_steps: Annotated[int, Field(ge=1, le=MAX_COUNT)] | Literal["auto"] | None = None
+    """Optimizer steps between evaluations (the last step always evaluates); ``auto`` (a ``data.path`` dataset's
+    default): a round number keeping evaluation under 5% of the run's wall time, said at start. Absent: the end only."""
+    max_batches: int | None = Field(default=None, ge=1, le=MAX_COUNT)
     """Evaluate the first ``max_batches x micro_batch_size`` validation examples (absent: all of them)."""
     micro_batch_size: int | None = Field(default=None, ge=1, le=MAX_COUNT)
     """Examples per forward pass of the evaluation (absent: ``batch.micro_batch_size``)."""
-    patience: int | None = Field(default=None, ge=1)
+    patience: int | None = Field(default=None, ge=1, le=MAX_COUNT)
     """Stop when the validation loss has not improved for this many evaluations (absent: never)."""
 
     @property
@@ -218,11 +212,11 @@ class RunConfig(Section):
     """Deterministic algorithms (slower; what ``repro`` uses)."""
     max_steps: int | None = Field(default=200, ge=1, le=MAX_COUNT)
     """Stop after this many optimizer steps (None: ``epochs`` decides)."""
-    epochs: int = Field(default=1, ge=1)
+    epochs: int = Field(default=1, ge=1, le=MAX_COUNT)
     """Passes over the data when ``max_steps`` is None."""
-    log_every: int = Field(default=10, ge=1)
+    log_every: int = Field(default=10, ge=1, le=MAX_COUNT)
     """Optimizer steps between log lines (and host reads of the metrics)."""
-    peak_flops: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    peak_flops: float | None = Field(default=None, ge=1e6, le=1e18, allow_inf_nan=False)
     """Dense peak FLOP/s of one device, for ``mfu`` (absent: the table of known GPUs; none on a CPU)."""
     profile: ProfileConfig | None = None
     """A ``torch.profiler`` trace of optimizer steps ``{start_step, steps}`` per rank (absent: none)."""
@@ -244,7 +238,10 @@ class RunConfig(Section):
 
 
 class TrainConfig(Section):
-    """Everything a run needs; the defaults are the embedded default run."""
+    """Everything a run needs; the defaults are the embedded default run. Where a key takes a number it must be one,
+    written in digits 0-9 as YAML 1.2 reads them (``10``, ``0.5``, ``3e-4``): text (``'10'``, and ``2_0``, ``0x10``,
+    ``1:30``, which are text here), ``true``/``false``, a float for an integer (``3.0``, ``1e3``), NaN and the
+    infinities are refused (see docs/training.md, "The config")."""
 
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()

@@ -1,18 +1,20 @@
 """The small sections of the training config (:mod:`steadytrain.train.setup.config` composes them with the larger ones):
 clipping, distribution, non-finite steps, loss spikes, environment contract, checkpoints, profiling. Every field
-has a one-line docstring (the generated reference reads them) and is validated by pydantic, bool-for-number
-mistakes included."""
+has a one-line docstring (the generated reference reads them) and is validated by pydantic, after the one rule for
+numbers of every section (:mod:`steadytrain.train.setup.typed`: text, a flag or a fraction is not a number)."""
 
 from __future__ import annotations
 
+import math
 import re
-import types
-from typing import Annotated, Any, Literal, Union, get_args, get_origin
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
+from steadytrain._check import parse_int
 from steadytrain._text import brief
 from steadytrain.schedule import MAX_COUNT
+from steadytrain.train.setup.typed import Section
 
 __all__ = [
     "CheckpointConfig",
@@ -28,29 +30,6 @@ __all__ = [
     "SpikeConfig",
     "check_mixture",
 ]
-
-
-def _numeric(annotation: Any) -> bool:
-    """Whether a field takes a number and not a flag (``int``, ``float``, optional or not)."""
-    if get_origin(annotation) is Annotated:
-        return _numeric(get_args(annotation)[0])
-    if get_origin(annotation) in (Union, types.UnionType):
-        args = get_args(annotation)
-        return bool not in args and any(_numeric(a) for a in args)
-    return annotation in (int, float)
-
-
-class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
-
-    @field_validator("*", mode="before")
-    @classmethod
-    def _no_flag_for_number(cls, value: Any, info: ValidationInfo) -> Any:
-        """``true``/``false`` where a number goes is a mistake, not 1 or 0 (pydantic would take it)."""
-        field = cls.model_fields.get(info.field_name or "")
-        if isinstance(value, bool) and field is not None and _numeric(field.annotation):
-            raise ValueError(f"{str(value).lower()} is a flag, not a number: give a number")
-        return value
 
 
 class ClipConfig(Section):
@@ -159,9 +138,10 @@ def parse_mesh(text: str) -> dict[str, int]:
             raise ValueError(f"{part!r} is not one of replicate=R, shard=S, tp=T (e.g. replicate=2,shard=4)")
         if name in out:
             raise ValueError(f"{name} is given twice")
-        if not re.fullmatch(r"[+-]?[0-9]+", value.strip()):  # int() would take 2_0 and non-ASCII digits
-            raise ValueError(f"{name}={value.strip()!r} is not a whole number: write it in digits 0-9")
-        out[name] = int(value.strip())
+        try:  # the rule of every integer flag: int() would take 2_0 and other scripts' digits
+            out[name] = parse_int(value.strip())
+        except ValueError as err:
+            raise ValueError(f"{name}={err}") from None
     if not out:
         raise ValueError("no dimension given: write replicate=R,shard=S,tp=T")
     return out
@@ -198,6 +178,10 @@ class MeshConfig(Section):
     def ranks(self) -> int:
         """``replicate x shard x tp``: the world size the mesh is for."""
         return self.replicate * self.shard * self.tp
+
+
+WATCHDOG_S = (1.0, 86400.0)
+"""The bounds of ``distributed.watchdog_s`` other than 0 (off), in seconds: a second, a day."""
 
 
 _FITS = {
@@ -254,23 +238,39 @@ class DistributedConfig(Section):
             )
         return self
 
-    parity_every_steps: int = Field(default=100, ge=0)
+    parity_every_steps: int = Field(default=100, ge=0, le=MAX_COUNT)
     """Every this many optimizer steps the replicas (DDP's, or HSDP's of each shard) compare a checksum of their
     parameters (one small all-gather; 0 = off): a rank whose values differ is recorded in ``RUN/parity.jsonl``."""
     on_parity: Literal["warn", "stop"] = "stop"
     """What a disagreement does: ``warn``, or ``stop`` with every replica made equal to an agreeing rank's and a
     checkpoint."""
-    watchdog_s: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    watchdog_s: float | None = Field(default=None, ge=0, le=86400, allow_inf_nan=False)
     """Seconds without progress on any rank before the job is called hung: every rank writes its threads' stacks
     under ``RUN/hangs/``, the rank that is behind is named, and the ranks exit (code 75) for a restart to take
-    over. Default: 600 under torchrun (more than one rank), else off; 0 = off. A step's evaluation, checkpoint and a
-    rank's first step (compile) count as progress."""
+    over. Default: 600 under torchrun (more than one rank), else off; 0 = off; else 1 to 86400 (a day). A step's
+    evaluation, checkpoint and a rank's first step (compile) count as progress."""
+
+    @field_validator("watchdog_s", mode="before")
+    @classmethod
+    def _watchdog_bounds(cls, value: Any) -> Any:
+        """0 (off) or 1 s to a day, said with why (the field's bounds are the backstop and the reference's)."""
+        number = (isinstance(value, float) and math.isfinite(value)) or type(value) is int  # exact against floats
+        if not number or value == 0 or WATCHDOG_S[0] <= value <= WATCHDOG_S[1]:
+            return value  # text, flags, NaN, inf: the rule for numbers and pydantic say what is wrong
+        low, high = WATCHDOG_S
+        why = (
+            f"under {low:g} s a healthy job is called hung: a rank's heartbeat changes once a step, so any step, "
+            "data read or collective that takes longer ends the run"
+            if value < low
+            else f"over a day ({high:g} s) a hung job holds its devices that long before the restart takes over"
+        )
+        raise ValueError(f"{brief(value)} is out of bounds: give 0 (off) or {low:g} to {high:g} seconds: {why}")
 
 
 class NonFiniteConfig(Section):
     policy: Literal["skip", "raise"] = "skip"
     """On a non-finite step: skip it on every rank (recorded), or stop."""
-    max_consecutive_skips: int = Field(default=10, ge=1)
+    max_consecutive_skips: int = Field(default=10, ge=1, le=MAX_COUNT)
     """Stop (exit non-zero, report written) after this many skipped steps in a row."""
 
 
@@ -341,9 +341,9 @@ class EnvConfig(Section):
 
 
 class CheckpointConfig(Section):
-    every_steps: int = Field(default=100, ge=1)
+    every_steps: int = Field(default=100, ge=1, le=MAX_COUNT)
     """Optimizer steps between checkpoints (one is also written at the end)."""
-    keep_last: int = Field(default=2, ge=1)
+    keep_last: int = Field(default=2, ge=1, le=MAX_COUNT)
     """Checkpoints kept; older ones are removed."""
     keep_best: bool = False
     """Also keep the checkpoint of the best validation loss (one is written at that step)."""

@@ -122,13 +122,18 @@ def plan_of(model: nn.Module, mesh: Any) -> dict[str, Any]:
 
 def check_plan(model: nn.Module, tp: int) -> None:
     """Before any rank starts: a built-in model's plan over ``tp`` ranks (tiny-lm's heads split, transformers has a
-    plan) and its keys name modules of ``model`` (which may be on the meta device). A user's own ``tp_plan`` is
+    plan) and its keys name modules of ``model`` (which may be on the meta device); a user's model that has no
+    ``tp_plan`` method at all (what the ranks would each refuse, known without a mesh). A user's own ``tp_plan`` is
     called on the real mesh only (it may ask the mesh for more than its size)."""
     from steadytrain.train.hf.model import HFCausalLM
     from steadytrain.train.setup.models import TinyLM
 
-    if tp > 1 and type(model) in (TinyLM, HFCausalLM):  # a subclass may override tp_plan: real mesh only
+    if tp <= 1:
+        return
+    if type(model) in (TinyLM, HFCausalLM):  # a subclass may override tp_plan: real mesh only
         _check_keys(model, plan_of(model, MeshSize(tp)))
+    elif not isinstance(model, HFCausalLM) and not callable(getattr(model, "tp_plan", None)):
+        plan_of(model, MeshSize(tp))  # no plan, or tp_plan not a method: the ranks' own one-line refusal, said once
 
 
 def _check_keys(model: nn.Module, plan: dict[str, Any]) -> None:
