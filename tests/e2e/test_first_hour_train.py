@@ -157,7 +157,7 @@ def test_explicit_validation_settings_are_kept(cli, tmp_path):
 
 
 def test_step_times_leave_evaluation_and_checkpoints_out(cli, tmp_path, monkeypatch):
-    import steadytrain.train.job.loop as loop
+    import steadytrain.train.job.validate as validate
     import steadytrain.train.observe.metrics as metrics_module
     from steadytrain.train.checkpoint.writer import CheckpointWriter
 
@@ -173,7 +173,7 @@ def test_step_times_leave_evaluation_and_checkpoints_out(cli, tmp_path, monkeypa
 
         return run
 
-    monkeypatch.setattr(loop, "evaluate", slow(loop.evaluate))
+    monkeypatch.setattr(validate, "evaluate", slow(validate.evaluate))
     monkeypatch.setattr(CheckpointWriter, "save", slow(CheckpointWriter.save))
     data = write_text_dataset(tmp_path / "data", [24, 24, 24, 24, 24, 24, 21, 23])
     run = tmp_path / "run"

@@ -88,6 +88,7 @@ OPTIONAL: dict[str, str] = {
     "train.exposure": "exposure",
     "train.scaler": "mapping",
     "train.validation": "mapping",
+    "train.validation.every_steps": "positive",
     "train.spikes": "mapping",
     "train.scheduler._step_count": "count",
     "train.scheduler._last_lr": "finite numbers",

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from steadytrain.data import EvalSet
+from steadytrain.train.job.cadence import AutoCadence
 from steadytrain.train.setup.distributed import DistInfo
 from steadytrain.train.setup.models import check_losses
 
@@ -135,6 +136,8 @@ class Validation:
     evalset: EvalSet
     every_steps: int | None
     patience: int | None
+    auto: AutoCadence | None = None
+    """``eval.every_steps: auto``: the cadence is this one's (estimated at start, measured at the first evaluation)."""
     best_loss: float | None = None
     best_step: int | None = None
     bad: int = 0
@@ -142,7 +145,8 @@ class Validation:
 
     def due(self, step: int, last: int) -> bool:
         """Whether to evaluate after optimizer ``step`` (``last``: the run's final step, always evaluated)."""
-        return step == last or (self.every_steps is not None and step % self.every_steps == 0)
+        every = self.auto.every_steps if self.auto is not None else self.every_steps
+        return step == last or (every is not None and step % every == 0)
 
     def record(self, result: EvalResult, step: int) -> tuple[bool, str | None]:
         """Take ``result`` of ``step``: ``(improved, why to stop early or None)``."""
@@ -169,7 +173,12 @@ class Validation:
         )
 
     def state_dict(self) -> dict[str, Any]:
-        return {"best_loss": self.best_loss, "best_step": self.best_step, "bad": self.bad}
+        state = {"best_loss": self.best_loss, "best_step": self.best_step, "bad": self.bad}
+        if self.auto is not None and self.auto.timed:  # a resume evaluates at the same steps as before
+            state["every_steps"] = self.auto.every_steps
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.best_loss, self.best_step, self.bad = state["best_loss"], state["best_step"], int(state["bad"])
+        if self.auto is not None and state.get("every_steps") is not None:  # checked with the checkpoint
+            self.auto.every_steps, self.auto.timed = int(state["every_steps"]), True

@@ -31,7 +31,7 @@ from steadytrain.train.job import restart
 from steadytrain.train.job.build import build_pieces, start_metrics
 from steadytrain.train.job.core import Interrupted, Job, TrainingStopped
 from steadytrain.train.job.ending import end_job
-from steadytrain.train.job.evaluate import Validation, evaluate, precision_context
+from steadytrain.train.job.evaluate import Validation, precision_context
 from steadytrain.train.job.files import ResumeRecord
 from steadytrain.train.job.parity import check_parity, parity_due
 from steadytrain.train.job.ranks import record_rank_times
@@ -43,10 +43,11 @@ from steadytrain.train.job.restore import (
     restore_checkpoint,
     rollback,
 )
-from steadytrain.train.job.resume import hyperparameters
+from steadytrain.train.job.resume import RunFinished, hyperparameters
 from steadytrain.train.job.spikes import SpikeGuard
 from steadytrain.train.job.state import TrainState
 from steadytrain.train.job.stop import StopRequest
+from steadytrain.train.job.validate import build_validation, start_validation, validate
 from steadytrain.train.observe.profiling import StepProfiler
 from steadytrain.train.observe.throughput import for_run
 from steadytrain.train.observe.watchdog import Beat, start_watchdog
@@ -123,7 +124,7 @@ def _build(cfg: TrainConfig, info: DistInfo, where: _Where, signals: contextlib.
     try:
         for name, text in p.hf_files.items():
             write_text_atomic(run.path / name, text)
-        validation = Validation(p.evalset, cfg.eval.every_steps, cfg.eval.patience) if p.evalset else None
+        validation = build_validation(cfg, p) if p.evalset else None
         spikes = SpikeGuard(cfg.spike, info, run.spikes, warmup_steps=p.plan.warmup_steps)
         state = TrainState(p.acc.scheduler, p.acc, p.ds, p.scaler, validation, spikes)
         writer = CheckpointWriter(
@@ -168,7 +169,7 @@ def _resume(
     restore_checkpoint(parts, path)  # a new LR or schedule applies from here
     step = parts.state.step
     if validation is not None and (ended := validation.ended(step)):
-        raise UserError(f"--resume {run.path}: {ended}")  # nothing written yet: the run stays as it was
+        raise RunFinished(f"--resume {run.path}: {ended}", f"--auto-resume {run.path}: nothing to train: {ended}")
     if parts.info.is_main:
         record_owner(run)  # the first write of a resume: every check before it changed nothing
         if restarted:  # before the logs are cut: the time lost is read from the rows past the checkpoint
@@ -182,9 +183,7 @@ def _resume(
 def _run(job: Job) -> dict[str, Any]:
     profiler = _profiler(job)
     runfiles.log_start(job)
-    held = job.held_out
-    if job.info.is_main and held.note:  # what validation holds out (here: a refusal is 1 line)
-        (log.warning if held.empty else log.info)("%s", held.note)
+    start_validation(job)
     sp = job.cfg.spike
     if sp.policy != "off" and job.info.is_main and sp.window + job.plan.warmup_steps >= _last_step(job):
         log.info(  # a fact of every short run (sweep trials, tests), not a problem: said once, with the plan
@@ -346,7 +345,7 @@ def _after_step(job: Job, result: Any, loss: torch.Tensor) -> str | None:
         record_rank_times(job)  # one small all-gather at the same step: each rank's time per phase (ranks.jsonl)
     # an evaluation due at this step runs before a stop is honoured: a resume starts after this step
     best = (
-        _validate(job) if job.validation is not None and job.validation.due(job.state.step, _last_step(job)) else False
+        validate(job) if job.validation is not None and job.validation.due(job.state.step, _last_step(job)) else False
     )
     if parity_due(job) and (why := check_parity(job)):  # every rank at the same step: one small all-gather
         return why  # on_parity: stop; the checkpoint follows (in _run), of the replicas made equal
@@ -372,22 +371,6 @@ def _after_step(job: Job, result: Any, loss: torch.Tensor) -> str | None:
 def _last_step(job: Job) -> int:
     """The step the run ends after: the plan's total, or ``stop_after`` (``repro``) when sooner."""
     return min(job.plan.total_steps, job.stop_after or job.plan.total_steps)
-
-
-def _validate(job: Job) -> bool:
-    """Evaluate after this step (every rank), write its row (``val_time_s``: the pass's own time); whether a checkpoint
-    must keep it as the best. Its time is set aside: the next step's ``step_s`` and ``items_per_s`` leave it out."""
-    job.beat.enter("eval")  # progress, however long it takes
-    with job.metrics.aside("eval") as spent:
-        # sums over every rank's slice of the held-out set: the loss of the whole set, equal on every world size
-        result = evaluate(job.model, job.validation.evalset, job.info, precision=job.cfg.precision)
-        row = result.row(job.state.step) | {"val_time_s": round(spent(), 3)}
-        improved, stop = job.validation.record(result, job.state.step)
-        job.metrics.add_eval(row | ({"early_stop": True} if stop else {}))  # the reason, for report
-    if stop is not None and job.info.is_main:
-        log.info("%s", stop)
-    job.step.ended = stop
-    return improved and job.cfg.checkpoint.keep_best
 
 
 def _checkpoint(job: Job) -> None:
