@@ -9,7 +9,6 @@ cycle and its checkpoint form). This module composes them and keeps the counters
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -17,8 +16,8 @@ import torch
 from torch import Tensor, nn
 
 from steadytrain._check import check_int
-from steadytrain._io import brief
 from steadytrain.accumulate import normalize
+from steadytrain.accumulate.checks import check_parts, warn_batchnorm
 from steadytrain.accumulate.events import SPIKE, NonFiniteEvent, NonFiniteGradientError, StepResult, UsageError
 from steadytrain.accumulate.state import Cycle, check_state
 from steadytrain.accumulate.step import (
@@ -77,29 +76,6 @@ class MicroBatch:
             )
         self._acc._scaled(loss, self.num_items).backward()
         self.loss = loss.detach()  # only now: a backward that raised is not a micro-batch
-
-
-def _check_parts(model: object, optimizer: object, scheduler: object, grad_scaler: object) -> None:
-    """Refuse, at construction, an argument of the wrong kind (not K backward passes later)."""
-    if not isinstance(model, nn.Module):
-        raise UserError(f"model={brief(model)} is a {type(model).__name__}, not a torch.nn.Module")
-    for name, obj, needs in (
-        ("optimizer", optimizer, ("step", "zero_grad", "param_groups")),
-        ("scheduler", scheduler, ("step",)),
-        ("grad_scaler", grad_scaler, ("scale", "unscale_", "update")),
-    ):
-        required = name == "optimizer"
-        if (obj is not None or required) and (lacks := [a for a in needs if not hasattr(obj, a)]):
-            raise UserError(f"{name}={brief(obj)} ({type(obj).__name__}) has no {lacks[0]!r}: not a torch {name}")
-
-
-def _warn_batchnorm(model: nn.Module, accumulation_steps: int) -> None:
-    if accumulation_steps > 1 and any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
-        warnings.warn(
-            f"the model has BatchNorm and accumulation_steps={accumulation_steps}: its statistics are computed "
-            "per micro-batch, not over the effective batch (use GroupNorm/LayerNorm, or accept the approximation)",
-            stacklevel=3,
-        )
 
 
 class GradientAccumulator:
@@ -166,7 +142,7 @@ class GradientAccumulator:
         eps: float = 1e-6,
     ) -> None:
         self.accumulation_steps = check_int("accumulation_steps", accumulation_steps)
-        _check_parts(model, optimizer, scheduler, grad_scaler)
+        check_parts(model, optimizer, scheduler, grad_scaler)
         self.model, self.optimizer, self.scheduler, self.grad_scaler = model, optimizer, scheduler, grad_scaler
         self._params = [p for p in model.parameters() if p.requires_grad]
         if not self._params:
@@ -188,7 +164,7 @@ class GradientAccumulator:
         self._layout = DataParallel.of(model)
         fp16 = grad_scaler is not None or any(p.dtype == torch.float16 for p in self._params)
         self._item_scale = normalize.ItemScale(fp16, accumulation_steps, self._layout)
-        _warn_batchnorm(model, accumulation_steps)
+        warn_batchnorm(model, accumulation_steps)
         self.micro_steps = 0
         self.optimizer_steps = 0
         self.skipped_steps = 0
