@@ -6,6 +6,7 @@ import json
 import shutil
 import subprocess
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -84,14 +85,18 @@ def evals(run_dir: Path) -> list[dict]:
     return [r for r in rows if "val_loss" in r]
 
 
-def write_text_dataset(path: Path, sizes: list[int]) -> Path:
-    """Byte sequences (33 bytes: seq_len 32 + 1) of this project's own source, one shard per size."""
+def write_text_dataset(path: Path, sizes: list[int], plant: Callable[[int, np.ndarray], None] | None = None) -> Path:
+    """Byte sequences (33 bytes: seq_len 32 + 1) of this project's own source, one shard per size; ``plant(shard,
+    rows)`` may change a shard's rows (a ``(n, 33)`` uint8 copy) before it is written: a cause planted in the data."""
     src = b"".join(p.read_bytes() for p in sorted(Path(__file__).parent.parent.glob("src/steadytrain/**/*.py")))
     seqs = np.frombuffer(src, dtype=np.uint8)[: 33 * sum(sizes)].reshape(-1, 33)
     with DatasetWriter(path, provenance={"source": "steadytrain-src"}) as w:
         start = 0
-        for n in sizes:
+        for shard, n in enumerate(sizes):
             part = seqs[start : start + n]
+            if plant is not None:
+                part = part.copy()
+                plant(shard, part)
             w.write_shard(pa.table({"tokens": pa.FixedSizeListArray.from_arrays(pa.array(part.reshape(-1)), 33)}))
             start += n
     return path

@@ -14,7 +14,6 @@ import codecs
 import datetime as _dt
 import json
 import logging
-import math
 import os
 import stat
 import tempfile
@@ -22,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
+from steadytrain._json import parse_json
 from steadytrain._text import brief, one_line
 from steadytrain.errors import UserError
 
@@ -31,6 +31,7 @@ __all__ = [
     "ensure_dir",
     "load_json",
     "one_line",
+    "present",
     "read_jsonl",
     "read_text",
     "utc_now",
@@ -218,6 +219,12 @@ def _read_fd(fd: int, path: Path, what: str, max_bytes: int, first: bytes = b"")
     return b"".join(chunks)
 
 
+def present(path: str | Path) -> bool:
+    """Whether ``path`` names anything, a symlink to nothing or a loop too: an optional run file that is present
+    is read (a broken link is then one error naming it), never taken as absent and written over or past."""
+    return os.path.lexists(path)
+
+
 def _read_bytes(path: Path, what: str, max_bytes: int) -> bytes:
     """The bytes of a file a user named (see :func:`read_text`), or a :class:`UserError` naming it."""
     try:
@@ -247,7 +254,8 @@ def _read_bytes(path: Path, what: str, max_bytes: int) -> bytes:
         finally:
             os.close(fd)
     except FileNotFoundError:
-        raise UserError(f"{path}: no such {what}") from None
+        link = f"a symbolic link to {brief(os.readlink(path))}, which does not exist" if path.is_symlink() else ""
+        raise UserError(f"{path}: {link or 'no such ' + what}") from None
     except PermissionError:
         raise UserError(f"{path}: {what} is not readable (permission denied)") from None
     except OSError as err:
@@ -270,47 +278,12 @@ def read_text(path: str | Path, *, what: str = "file", max_bytes: int = MAX_TEXT
         raise UserError(f"{path}: {what} is not UTF-8 text (byte {err.start})") from None
 
 
-def _reject_constant(name: str) -> float:
-    raise ValueError(f"{name} is not JSON")
-
-
-def _finite_float(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):  # 1e400 would silently become inf
-        raise ValueError(f"the number {text[:40]} is out of range")
-    return value
-
-
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:  # json.loads would keep the last one silently
-            raise ValueError(f"key {brief(key)} is given twice in one object")
-        out[key] = value
-    return out
-
-
-def _parse_json(text: str, where: str, what: str) -> Any:
-    """Strict JSON: no NaN/Infinity, no number that overflows to infinity, no key twice in one object."""
-    try:
-        return json.loads(
-            text, parse_constant=_reject_constant, parse_float=_finite_float, object_pairs_hook=_unique_keys
-        )
-    except json.JSONDecodeError as err:
-        line = f"line {err.lineno}: " if "\n" in text.strip() else ""
-        raise UserError(f"{where}: {what} is not valid JSON ({line}{err.msg})") from None
-    except RecursionError:
-        raise UserError(f"{where}: {what} nests too deeply to be read") from None
-    except ValueError as err:
-        raise UserError(f"{where}: {what} is not valid JSON ({one_line(err)})") from None
-
-
 def load_json(path: str | Path, *, what: str = "JSON file") -> Any:
     """Parse a JSON file, or a :class:`UserError` naming the file (and line).
 
     Strict: no NaN/Infinity, no number that overflows to infinity, no key twice in one object.
     """
-    return _parse_json(read_text(path, what=what), str(path), what)
+    return parse_json(read_text(path, what=what), str(path), what)
 
 
 def _torn(line: bytes) -> bool:
@@ -330,7 +303,7 @@ def _parse_line(line: bytes, where: str, what: str) -> Any:
         text = line.decode("utf-8")
     except UnicodeDecodeError as err:
         raise UserError(f"{where}: {what} line is not UTF-8 text (byte {err.start} of the line)") from None
-    return _parse_json(text, where, what)
+    return parse_json(text, where, what)
 
 
 def read_jsonl(path: str | Path, *, what: str = "JSON-lines file") -> list[tuple[int, Any]]:
@@ -352,7 +325,7 @@ def read_jsonl(path: str | Path, *, what: str = "JSON-lines file") -> list[tuple
         [(1, {'step': 1}), (2, {'step': 2})]
     """
     path = Path(path)
-    if not path.exists():
+    if not present(path):
         return []
     lines = _read_bytes(path, what, MAX_LOG_BYTES).split(b"\n")
     last = max((n for n, line in enumerate(lines, start=1) if line.strip()), default=0)
@@ -380,24 +353,28 @@ def _record(line: bytes, path: Path, n: int, what: str, *, last: bool) -> Any:
         return _TORN
 
 
-def rewrite_jsonl(path: str | Path, keep: Callable[[Any], bool], *, what: str = "JSON-lines file") -> None:
+def rewrite_jsonl(path: str | Path, keep: Callable[[Any], bool] | None, *, what: str = "JSON-lines file") -> None:
     """Keep the lines of a JSON-lines log whose value ``keep`` accepts, in one atomic replace, a line at a time (a
     log may be larger than :data:`MAX_LOG_BYTES`, the most read whole). Lines are checked as :func:`read_jsonl`
     checks them (a torn last line is dropped with a warning); kept lines are copied byte for byte. Absent: nothing.
+    ``keep=None``: every line checked so, nothing written (before a resume changes any file of the run).
     """
     path = Path(path)
-    if not path.exists():
+    if not present(path):
         return
     if not path.is_file():
         raise UserError(f"{path}: not a regular file: move it aside (the run appends its {what} there)")
 
-    def copy(out: IO[bytes]) -> None:
+    def copy(out: IO[bytes] | None) -> None:
         with path.open("rb") as src:
             for n, line in enumerate(src, start=1):
                 whole = line.endswith(b"\n")
                 body = line[:-1] if whole else line
                 value = _record(body, path, n, what, last=not whole) if body.strip() else _TORN
-                if value is not _TORN and keep(value):
+                if out is not None and value is not _TORN and keep(value):
                     out.write(body + b"\n")
 
-    write_atomic(path, copy)
+    if keep is None:
+        copy(None)
+    else:
+        write_atomic(path, copy)

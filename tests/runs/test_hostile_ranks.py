@@ -20,17 +20,15 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
-import pyarrow as pa
 import pytest
 import torch
 
 from steadytrain.accumulate import NonFiniteEvent
-from steadytrain.data import DatasetWriter
 from steadytrain.diagnose import read_ledger
 from steadytrain.diagnose.ledger import append_event
 from steadytrain.runs.ranks import stragglers
 from tests.cli_utils import assert_user_error, in_process
-from tests.train_utils import bigram_module, train
+from tests.train_utils import bigram_module, train, write_text_dataset
 
 # --- ranks.jsonl and parity.jsonl written by hand ------------------------------------------------------------------
 
@@ -307,15 +305,12 @@ POISONED = bigram_module(
 
 def _dataset(path: Path, poisoned: bool) -> Path:
     """4 shards of 20 byte sequences of this project's source; shard 2's first 3 begin with byte 0 (``poisoned``)."""
-    src = b"".join(p.read_bytes() for p in sorted(Path(__file__).parents[2].glob("src/steadytrain/**/*.py")))
-    seqs = np.frombuffer(src, dtype=np.uint8)[: 33 * 80].reshape(-1, 33).copy()
-    with DatasetWriter(path, provenance={"source": "steadytrain-src"}) as w:
-        for s in range(4):
-            part = seqs[20 * s : 20 * (s + 1)].copy()
-            if poisoned and s == 2:
-                part[:3, 0] = 0
-            w.write_shard(pa.table({"tokens": pa.FixedSizeListArray.from_arrays(pa.array(part.reshape(-1)), 33)}))
-    return path
+
+    def poison(shard: int, rows: np.ndarray) -> None:
+        if poisoned and shard == 2:
+            rows[:3, 0] = 0
+
+    return write_text_dataset(path, [20] * 4, plant=poison)
 
 
 @pytest.fixture(scope="module")
@@ -392,7 +387,7 @@ def test_triage_against_data_changed_since_the_run_is_an_error(poisoned, tmp_pat
 def test_triage_with_a_batch_size_changed_since_the_step_is_an_error(poisoned, tmp_path):
     run = _copy(poisoned, tmp_path)
     plan = json.loads((run / "plan.json").read_text())
-    plan["global_batch_size"] = 8  # as a resume that changed it records
+    plan["global_batch_size"], plan["accumulation_steps"] = 8, plan["accumulation_steps"] // 2  # as a resume records
     (run / "plan.json").write_text(json.dumps(plan))
     assert_user_error(_triage(run, poisoned.step, poisoned.pkg), "the rebuilt batch lacks", "batch size")
 

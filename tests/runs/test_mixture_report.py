@@ -148,14 +148,14 @@ def test_a_run_with_no_per_source_rows_yet_still_reports(tmp_path):
     "text, words",
     [
         ("{not json", ["sources.json", "not valid JSON"]),
-        ("[1, 2]", ["sources.json", "is wrong in it"]),
-        (json.dumps({"sources": [{"name": "web"}]}), ["sources.json", "'path'"]),
+        ("[1, 2]", ["sources.json", "[1, 2] is not a mixture's sources"]),
+        (json.dumps({"sources": [{"name": "web"}]}), ["sources.json", "sources[0].path=None"]),
         (json.dumps({**SourceMap(SPANS).to_dict(), "schedule": [{"step": 0, "weights": {}}]}), ["schedule[0].step"]),
         (json.dumps({**SourceMap(SPANS).to_dict(), "schedule": [{"step": 3, "weights": {"web": "x"}}]}), ["weights"]),
         (json.dumps(SourceMap(SPANS, exposure={"web": {"examples": "many"}}).to_dict()), ["exposure.'web'.examples"]),
         (json.dumps(SourceMap([SourceSpan("web", "/w", 0.0, 0, 1)]).to_dict()), ["weights are all 0"]),
         (json.dumps({**SourceMap(SPANS).to_dict(), "schedule": [{"step": 3, "weights": {"x": 1}}]}), ["no source"]),
-        (json.dumps({"sources": [{**SPANS[0].to_dict(), "weight": "nan"}]}), ["not a finite number"]),
+        (json.dumps({"sources": [{**SPANS[0].to_dict(), "weight": "nan"}]}), ["weight='nan' must be a number"]),
     ],
     ids=["not-json", "list", "no-path", "step-0", "weight-text", "examples-text", "zero", "elsewhere", "weight-nan"],
 )

@@ -94,3 +94,14 @@ def test_a_damaged_restart_record_refuses_the_resume_before_it_changes_anything(
     proc = run_cli("train", "--auto-resume", "--run-dir", str(run), *sets(*_items(tiny_data)))
     assert_user_error(proc, "restarts.jsonl: line 1", "lost_s='lots'")
     assert snapshot(run) == before
+
+
+def test_a_change_the_resume_cannot_honour_names_the_flag_the_user_gave(tmp_path, tiny_run, tiny_data):
+    """A requeue that forgot a --set: the refusal says --auto-resume (what was typed, not --resume), names the
+    --set that keeps the run's value, and changes nothing."""
+    run = copy_run(tiny_run(*CHECKPOINTED), tmp_path / "run")
+    before = snapshot(run)
+    items = [i for i in _items(tiny_data) if not i.startswith("data.path=")]
+    proc = run_cli("train", "--auto-resume", "--run-dir", str(run), *sets(*items, "run.max_steps=8"))
+    assert_user_error(proc, f"--auto-resume {run}: data.path cannot change", f"--set data.path={str(tiny_data)!r}")
+    assert snapshot(run) == before

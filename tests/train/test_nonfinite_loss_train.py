@@ -10,17 +10,15 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
-import pyarrow as pa
 import pytest
 
-from steadytrain.data import DatasetWriter, global_batch
+from steadytrain.data import global_batch
 from steadytrain.diagnose.ledger import read_ledger
 from tests.cli_utils import in_process
-from tests.train_utils import bigram_module, metrics, train
+from tests.train_utils import bigram_module, metrics, train, write_text_dataset
 
 PADDED = bigram_module(
     doc="A bigram LM whose per-example loss is the mean over its non-padding targets (byte 0 pads).",
@@ -39,18 +37,11 @@ COMMON = (
 )  # fmt: skip
 
 
-def _dataset(path: Path) -> Path:
-    """4 shards of 20 byte sequences of this project's source; shard 2's first 3 are all padding."""
-    src = b"".join(p.read_bytes() for p in sorted(Path(__file__).parents[2].glob("src/steadytrain/**/*.py")))
-    seqs = np.frombuffer(src, dtype=np.uint8)[: 33 * 80].reshape(-1, 33).copy()
-    seqs[seqs == 0] = 32  # the source holds no NUL byte, but the padding must be the planted rows' alone
-    with DatasetWriter(path, provenance={"source": "steadytrain-src"}) as w:
-        for s in range(4):
-            part = seqs[20 * s : 20 * (s + 1)].copy()
-            if s == 2:
-                part[:3] = 0
-            w.write_shard(pa.table({"tokens": pa.FixedSizeListArray.from_arrays(pa.array(part.reshape(-1)), 33)}))
-    return path
+def _pad(shard: int, rows: np.ndarray) -> None:
+    """Shard 2's first 3 examples all padding; no byte 0 anywhere else (the padding must be theirs alone)."""
+    rows[rows == 0] = 32
+    if shard == 2:
+        rows[:3] = 0
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +50,7 @@ def padded(tmp_path_factory) -> SimpleNamespace:
     pkg = root / "pkg"
     pkg.mkdir()
     (pkg / "padded.py").write_text(PADDED)
-    data = _dataset(root / "data")
+    data = write_text_dataset(root / "data", [20] * 4, plant=_pad)  # 4 shards of 20
     run = root / "run"
     train(run, *COMMON, f"data.path={data}", PYTHONPATH=str(pkg))
     # Which steps held a padding example, from the data layer alone (metrics' step s is global step s - 1).

@@ -49,7 +49,15 @@ run_argument = click.argument("run", type=click.Path(file_okay=False), callback=
 """The RUN argument of every command that reads a run directory."""
 
 
-class WholeNumber(click.IntRange):
+class _RangeHelp:
+    """No range in ``--help`` for a number type without bounds (click's would read ``x<=None``)."""
+
+    def _describe_range(self) -> str:
+        unbounded = self.min is None and self.max is None  # type: ignore[attr-defined]
+        return "" if unbounded else super()._describe_range()  # type: ignore[misc]
+
+
+class WholeNumber(_RangeHelp, click.IntRange):
     """The type of every integer flag: digits 0-9 with an optional sign, as in a config and a mesh
     (:func:`steadytrain._check.parse_int`: ``int()`` alone would take ``1_0`` as 10 and ``٣`` as 3), within
     ``[min, max]`` like ``click.IntRange``."""
@@ -63,7 +71,7 @@ class WholeNumber(click.IntRange):
         return super().convert(value, param, ctx)
 
 
-class Number(click.FloatRange):
+class Number(_RangeHelp, click.FloatRange):
     """The type of every number flag: digits 0-9 as in a config (:func:`steadytrain._check.parse_number`:
     ``float()`` alone would take ``1_0``, ``٣``, ``nan`` and ``inf``), within ``[min, max]`` like
     ``click.FloatRange``."""

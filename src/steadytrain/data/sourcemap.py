@@ -18,9 +18,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from steadytrain._io import load_json
+from steadytrain._check import check_finite, check_int, check_type
+from steadytrain._io import load_json, present
 from steadytrain._text import brief
 from steadytrain.errors import UserError
+from steadytrain.schedule import MAX_COUNT
 
 __all__ = ["SOURCES_FILE", "SOURCES_FIX", "SourceMap", "SourceSpan", "mixture_fingerprint", "read_sources"]
 
@@ -119,27 +121,43 @@ def read_sources(run_dir: str | Path) -> SourceMap | None:
         UserError: ``sources.json`` is not JSON or not of this shape (named, with the fix).
     """
     path = Path(run_dir) / SOURCES_FILE
-    if not path.is_file():
+    if not present(path):
         return None
     data = load_json(path, what="mixture sources")
     try:
-        spans = [
-            SourceSpan(
-                name=str(s["name"]),
-                path=str(s["path"]),
-                weight=float(s["weight"]),
-                offset=int(s["offset"]),
-                ids=int(s["ids"]),
-                records=int(s.get("records", 0)),
-                fingerprint=str(s.get("fingerprint", "")),
-            )
-            for s in data["sources"]
-        ]
-        if [s.offset for s in spans] != sorted(s.offset for s in spans) or any(s.ids < 0 for s in spans):
-            raise ValueError("offsets out of order")
-        exposure = data.get("exposure") or {}
-        if not isinstance(exposure, dict):
-            raise ValueError("exposure is not a mapping")
-        return SourceMap(spans, list(data.get("schedule") or []), data.get("largest"), exposure)
-    except (KeyError, TypeError, ValueError) as err:
-        raise UserError(f"{path}: {brief(str(err))} is wrong in it: {SOURCES_FIX}") from None
+        if not isinstance(data, dict):
+            raise UserError(f"{brief(data)} is not a mixture's sources (a JSON object)")
+        entries = check_type("sources", data.get("sources"), list)
+        spans = [_span(i, entry) for i, entry in enumerate(entries)]
+        if not spans:
+            raise UserError("sources=[] names no source")
+        names = [s.name for s in spans]
+        if (twice := next((n for i, n in enumerate(names) if n in names[:i]), None)) is not None:
+            raise UserError(f"sources: the name {brief(twice)} is given to two sources")
+        for i, (before, span) in enumerate(zip([None, *spans], spans, strict=False)):
+            at = 0 if before is None else before.offset + before.ids  # one id space, each source after the last
+            if span.offset != at:
+                raise UserError(f"sources[{i}].offset={span.offset} must be {at} (the ids of the sources before it)")
+        schedule, largest, exposure = (data.get(k) for k in ("schedule", "largest", "exposure"))
+        return SourceMap(
+            spans,
+            [] if schedule is None else check_type("schedule", schedule, list),
+            None if largest is None else check_type("largest", largest, str),
+            {} if exposure is None else check_type("exposure", exposure, dict),
+        )
+    except UserError as err:
+        raise UserError(f"{path}: {err}: {SOURCES_FIX}") from None
+
+
+def _span(i: int, entry: Any) -> SourceSpan:
+    """``sources[i]`` of ``sources.json``, each value of its own type (a UserError naming the key, else)."""
+    where = f"sources[{i}]"
+    check_type(where, entry, dict)
+    texts = {k: check_type(f"{where}.{k}", entry.get(k, "" if k == "fingerprint" else None), str)
+             for k in ("name", "path", "fingerprint")}  # fmt: skip
+    if "\x00" in texts["path"]:
+        raise UserError(f"{where}.path={brief(texts['path'])} is not a path (it holds a NUL byte)")
+    weight = check_finite(f"{where}.weight", entry.get("weight"), minimum=0.0)
+    counts = {k: check_int(f"{where}.{k}", entry.get(k, 0 if k == "records" else None), 0, maximum=MAX_COUNT)
+              for k in ("offset", "ids", "records")}  # fmt: skip
+    return SourceSpan(texts["name"], texts["path"], weight, **counts, fingerprint=texts["fingerprint"])

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from steadytrain._check import check_int, check_type
-from steadytrain._io import append_jsonl, brief, load_json, read_jsonl
+from steadytrain._io import append_jsonl, brief, load_json, present, read_jsonl
 from steadytrain.accumulate import NonFiniteEvent
 from steadytrain.accumulate.events import REASONS
 from steadytrain.data.sourcemap import read_sources
@@ -354,7 +354,7 @@ def read_exposure(run_dir: str | Path) -> dict[int, int] | None:
         UserError: not a JSON object of shard id (a decimal string) to a count (an integer >= 0).
     """
     path = Path(run_dir) / EXPOSURE
-    if not path.exists():
+    if not present(path):
         return None
     data = load_json(path, what="exposure file")
     if not isinstance(data, dict):

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from steadytrain._check import check_finite, check_int, check_type
-from steadytrain._io import brief, read_jsonl
+from steadytrain._io import brief, load_json, present, read_jsonl
 from steadytrain.errors import UserError
 from steadytrain.schedule import DECAYS, MAX_COUNT
 
@@ -33,6 +33,7 @@ __all__ = [
     "is_eval_row",
     "is_rollback_row",
     "read_metrics",
+    "read_plan",
     "read_resumes",
 ]
 
@@ -239,6 +240,16 @@ def check_plan(plan: dict[str, Any], where: str) -> dict[str, Any]:
     if warmup is not None and total is not None and warmup > total:
         raise UserError(f"{where}: warmup_steps={warmup} exceeds total_steps={total}; {PLAN_FIX}")
     return plan
+
+
+def read_plan(path: Path) -> dict[str, Any]:
+    """``plan.json`` checked (:func:`check_plan`), for a reader that trusts its values; ``{}`` when there is none."""
+    if not present(path):
+        return {}
+    plan = load_json(path, what="batch plan")
+    if not isinstance(plan, dict):
+        raise UserError(f"{path}: {brief(plan)} is not a batch plan (a JSON object); {PLAN_FIX}")
+    return check_plan(plan, str(path))
 
 
 def check_config(config: dict[str, Any], where: str) -> dict[str, Any]:

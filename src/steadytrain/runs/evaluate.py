@@ -15,10 +15,9 @@ from typing import Any
 
 import torch
 
-from steadytrain._io import brief, load_json
 from steadytrain.errors import UserError
 from steadytrain.rundir.layout import RunDir, open_run_dir
-from steadytrain.rundir.schema import check_plan
+from steadytrain.rundir.schema import read_plan
 from steadytrain.train.checkpoint.catalog import checkpoint_at, restore
 from steadytrain.train.job.evaluate import evaluate
 from steadytrain.train.setup.config import TrainConfig, load_config
@@ -45,10 +44,7 @@ def _held_out(run: RunDir, held: HeldOut) -> list[int] | None:
     plan does not record it (never None for a run that held shards out: that would evaluate on training shards)."""
     if not held.shards:
         return None
-    plan = load_json(run.plan, what="batch plan") if run.plan.exists() else {}
-    if not isinstance(plan, dict):
-        raise UserError(f"{run.plan}: {brief(plan)} is not a batch plan (a JSON object): the run directory is damaged")
-    saved = check_plan(plan, str(run.plan)).get("eval_shards")
+    saved = read_plan(run.plan).get("eval_shards")
     return saved if saved is not None else held.shards
 
 

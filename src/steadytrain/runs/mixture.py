@@ -90,8 +90,8 @@ def _check_sources(sources: SourceMap) -> None:
         check_type(where, seen, dict)
         if seen.get("examples") is not None:
             check_int(f"{where}.examples", seen["examples"], 0, maximum=MAX_COUNT)
-        if seen.get("epochs") is not None:
-            check_finite(f"{where}.epochs", seen["epochs"], minimum=0.0)
+        if seen.get("epochs") is not None and check_finite(f"{where}.epochs", seen["epochs"], minimum=0.0) > MAX_COUNT:
+            raise UserError(f"{where}.epochs={brief(seen['epochs'])} is too large: at most {MAX_COUNT}")
 
 
 def series(rows: list[dict[str, Any]], key: str) -> tuple[list[int], list[float | None]]:

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from steadytrain._io import brief
+from steadytrain._io import brief, present
 from steadytrain._text import one_line
 from steadytrain.diagnose.layers import layer_order, read_layers
 from steadytrain.errors import UserError
@@ -95,7 +95,7 @@ def _values(run: Path) -> tuple[dict[int, dict[str, Any]], dict[int, dict[str, d
         steps.setdefault(int(row["step"]), {}).update(loss=row.get("loss"), grad_norm=row.get("grad_norm"))
     for row in rec.evals:
         steps.setdefault(int(row["step"]), {})["val_loss"] = row.get("val_loss")
-    rows = read_layers(run) if (run / "layers.jsonl").exists() else []
+    rows = read_layers(run) if present(run / "layers.jsonl") else []
     layers: dict[int, dict[str, dict[str, Any]]] = {}
     for row in rows:
         if "rollback" not in row:

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from steadytrain._io import read_jsonl
+from steadytrain._io import present, read_jsonl
 from steadytrain._text import brief, short
 from steadytrain.errors import UserError
 from steadytrain.rundir.layout import open_run_dir
@@ -118,7 +118,7 @@ def stragglers(run_dir: str | Path) -> RanksReport:
     """The straggler test of the module docstring over ``RUN/ranks.jsonl``."""
     run = open_run_dir(Path(run_dir))
     path, parity = run.path / "ranks.jsonl", _parity(run.path / "parity.jsonl")
-    if not path.exists():
+    if not present(path):
         why = "no rank times recorded (a run on one rank, or from before they were recorded)"
         return RanksReport([], {}, why, parity=parity)
     by_step = _rows(path)
@@ -154,7 +154,7 @@ def stragglers(run_dir: str | Path) -> RanksReport:
 
 def _parity(path: Path) -> list[dict[str, Any]]:
     """``parity.jsonl``'s records, each checked (a damaged line is one error naming it)."""
-    if not path.exists():
+    if not present(path):
         return []
     out = []
     for line, row in read_jsonl(path, what="parity.jsonl"):

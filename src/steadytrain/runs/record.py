@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from steadytrain._io import load_json, one_line
+from steadytrain._io import load_json, one_line, present
 from steadytrain._mapping import flatten
 from steadytrain._yamlio import load_yaml
 from steadytrain.diagnose import read_ledger
@@ -70,7 +70,7 @@ class RunRecord:
 
 
 def _object(path: Path, what: str) -> dict[str, Any] | None:
-    if not path.exists():
+    if not present(path):
         return None
     value = load_json(path, what=what)
     if not isinstance(value, dict):
@@ -80,7 +80,7 @@ def _object(path: Path, what: str) -> dict[str, Any] | None:
 
 def _env(path: Path) -> dict[str, Any] | None:
     """``env.json`` checked against the manifest's own schema (the diff walks every field)."""
-    if not path.exists():
+    if not present(path):
         return None
     value = load_json(path, what="environment manifest")
     check_depth(value, str(path))

@@ -26,14 +26,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from steadytrain._io import load_json
 from steadytrain._text import error_text
 from steadytrain.data import open_dataset
 from steadytrain.data.transform import load_transform
 from steadytrain.diagnose.settings import ReplaySettings
 from steadytrain.errors import UserError
 from steadytrain.rundir.layout import open_run_dir
-from steadytrain.rundir.schema import read_metrics
+from steadytrain.rundir.schema import read_metrics, read_plan
 from steadytrain.runs.mixreplay import MixtureReplay
 from steadytrain.train.checkpoint.catalog import latest_checkpoint, load_checkpoint
 from steadytrain.train.setup.config import TrainConfig, load_config
@@ -165,7 +164,7 @@ def run_model(
         state = load_checkpoint(checkpoint)
         _load_weights(model, state, Path(checkpoint))
         step = int(state["step"])
-    plan = load_json(run.plan, what="plan") if run.plan.exists() else {}
+    plan = read_plan(run.plan)  # checked: a batch size of text would fail deep in the replay
     held_out = set(plan.get("eval_shards") or ())
     gbs = plan.get("global_batch_size", cfg.batch.global_batch_size)
     settings = ReplaySettings(

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from steadytrain._io import load_json, one_line, write_text_atomic
+from steadytrain._io import load_json, one_line, present, write_text_atomic
 from steadytrain._text import error_text, md
 from steadytrain.errors import UserError
 from steadytrain.rundir.schema import check_nonfinite_report
@@ -171,7 +171,7 @@ def _stopped_line(rec: RunRecord, stopped: str | None, steps: int) -> str | None
 
 def _nonfinite_line(rec: RunRecord) -> str | None:
     path = rec.run.path / "nonfinite_report.json"
-    if not path.exists():
+    if not present(path):
         return None
     sentence = check_nonfinite_report(load_json(path, what="non-finite report"), str(path))
     return f"non-finite steps: {md(sentence)} (`nonfinite_report.json`)" if sentence else None

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from steadytrain._io import load_json, rewrite_jsonl, write_text_atomic
+from steadytrain._io import load_json, present, rewrite_jsonl, write_text_atomic
 from steadytrain._text import md
 from steadytrain._yamlio import load_yaml
 from steadytrain.data.sourcemap import SOURCES_FILE, SourceMap, mixture_fingerprint
@@ -43,6 +43,7 @@ def prepare(
     data: Path,
     held_out: HeldOut | None = None,
     sources: SourceMap | None = None,
+    flag: str = "--resume",
 ) -> tuple[RunDir, Any, dict[str, list[Any]]]:
     """The run directory, locked by rank 0 for the run's lifetime: claimed new (never overwritten), or
     the one to resume with what the resume changes (refused in one line if it cannot be honoured). A mixture's
@@ -61,7 +62,7 @@ def prepare(
                 run = open_run_dir(path)
                 check_latest(run.checkpoints)
                 lock = lock_run(run, record=False)  # its owner is recorded once the resume's checks pass
-                changes = _resume_changes(cfg, plan, run)
+                changes = _resume_changes(cfg, plan, run, flag)
             else:
                 run = claim_run_dir(path)
                 lock = lock_run(run)
@@ -99,10 +100,13 @@ def check_run_files(run: RunDir, plan: dict[str, Any]) -> None:
     read_ledger(run.path)
     read_ledger(run.path, SPIKES)
     read_exposure(run.path)
+    for path in (run.layers, run.path / "ranks.jsonl"):  # cut a line at a time: any size, so not read whole here
+        rewrite_jsonl(path, None, what=path.name)
 
 
-def _resume_changes(cfg: TrainConfig, plan: RunPlan, run: RunDir) -> dict[str, list[Any]]:
-    """What ``cfg`` changes in the run's saved config; a UserError for what a resume cannot honour."""
+def _resume_changes(cfg: TrainConfig, plan: RunPlan, run: RunDir, flag: str) -> dict[str, list[Any]]:
+    """What ``cfg`` changes in the run's saved config; a UserError (naming ``flag``, as the user asked for the
+    resume) for what a resume cannot honour."""
     from steadytrain.train.checkpoint.catalog import list_checkpoints
     from steadytrain.train.job.resume import config_changes, refuse_changes
 
@@ -110,14 +114,14 @@ def _resume_changes(cfg: TrainConfig, plan: RunPlan, run: RunDir) -> dict[str, l
     if not found:
         raise UserError(f"{run.path}: no checkpoint to resume from (checkpoints/ is empty)")
     saved = load_yaml(run.config, what="run config")
-    saved_plan = load_json(run.plan, what="batch plan") if run.plan.exists() else {}
+    saved_plan = load_json(run.plan, what="batch plan") if present(run.plan) else {}
     if not isinstance(saved, dict) or not isinstance(saved_plan, dict):
         raise UserError(f"{run.path}: config.yaml or plan.json is not a mapping: the run directory is damaged")
     check_run_files(run, saved_plan)
     changes = config_changes(saved, resolved_config(cfg))
     saved_eval = saved.get("eval") if isinstance(saved.get("eval"), dict) else {}
     evaluated = any(saved_eval.get(k) is not None for k in ("data", "holdout_shards", "holdout_fraction"))
-    refuse_changes(changes, saved_plan, plan.to_dict(), found[-1][0], str(run.path), evaluated=evaluated)
+    refuse_changes(changes, saved_plan, plan.to_dict(), found[-1][0], str(run.path), evaluated=evaluated, flag=flag)
     return changes
 
 
@@ -243,7 +247,7 @@ def record_resume(run: RunDir, record: ResumeRecord, *, step: int, world_size: i
     from steadytrain.train.job.resume import record_resume as append
 
     append(run, step=step, world_size=world_size, checkpoint=checkpoint, changes=record.changes)
-    saved = load_json(run.plan, what="batch plan") if run.plan.exists() else {}
+    saved = load_json(run.plan, what="batch plan") if present(run.plan) else {}
     plan = {**record.plan.to_dict(), "data": saved.get("data"), **_held(record.held_out)}
     if record.changes:
         run.write_config(resolved_config(record.cfg))

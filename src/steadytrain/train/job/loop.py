@@ -119,7 +119,7 @@ def _build(cfg: TrainConfig, info: DistInfo, where: _Where, signals: contextlib.
         where = _Where(None if found else path, found, where.stop_after, True)
     run, lock, changes = runfiles.prepare(
         cfg, info, p.plan, run_dir=where.run_dir, resume=where.resume, data=data_path(cfg), held_out=p.held,
-        sources=p.sources,
+        sources=p.sources, flag="--auto-resume" if where.auto_resume else "--resume",
     )  # fmt: skip
     try:
         for name, text in p.hf_files.items():

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from steadytrain._io import append_jsonl, brief, load_json, rewrite_jsonl
+from steadytrain._io import append_jsonl, brief, load_json, present, rewrite_jsonl
 from steadytrain._text import one_line, short
 from steadytrain.errors import UserError
 from steadytrain.rundir.hangs import HANG_FILE, read_hang, read_restarts
@@ -117,12 +117,12 @@ def _aside(path: Path) -> Path:
 def record_restart(run: RunDir, *, step: int, elapsed_s: float, world_size: int) -> dict[str, Any] | None:
     """Rank 0, before the resume cuts the logs: append this restart to ``restarts.jsonl`` (see the module). A run
     that had reached its planned last step was not interrupted: continuing it is a resume, not a restart (None)."""
-    plan = load_json(run.plan, what="batch plan") if run.plan.exists() else {}
+    plan = load_json(run.plan, what="batch plan") if present(run.plan) else {}
     plan = plan if isinstance(plan, dict) else {}
     if isinstance(plan.get("total_steps"), int) and step >= plan["total_steps"]:
         return None
     before = plan.get("world_size") if isinstance(plan.get("world_size"), int) else None
-    rows = read_metrics(run.metrics)[0] if run.metrics.exists() else []  # checked: an elapsed_s is a number or null
+    rows = read_metrics(run.metrics)[0]  # checked: an elapsed_s is a number or null
     last = max((r["elapsed_s"] for r in rows if r.get("elapsed_s") is not None), default=elapsed_s)
     idle = time.time() - run.metrics.stat().st_mtime if run.metrics.exists() else 0.0
     record = {

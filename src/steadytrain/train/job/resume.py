@@ -94,18 +94,19 @@ def _why_refused(key: str, old: Any, new: Any, evaluated: bool) -> str | None:
 
 def _refuse_mixture(changes: dict[str, list[Any]], step: int, run: str) -> None:
     """A UserError for a mixture change a resume at ``step`` cannot make: the weights of a step already trained, or
-    the weights of ``data.sources`` (they are step 1's: the schedule changes them from a later step)."""
+    the weights of ``data.sources`` (they are step 1's: the schedule changes them from a later step). ``run``: the
+    flag and the run directory, as the user gave them."""
     if "data.mix_schedule" in changes and (past := _past_weights(*changes["data.mix_schedule"], step)) is not None:
         old = _weights_at(changes["data.mix_schedule"][0], past)
         had = "data.sources' weights" if old is None else ", ".join(f"{k}={v:g}" for k, v in old.items())
         raise UserError(
-            f"--resume {run}: data.mix_schedule changes the weights of step {past}, already trained with {had} (the "
+            f"{run}: data.mix_schedule changes the weights of step {past}, already trained with {had} (the "
             f"checkpoint is at step {step}): a resume may change the mixture only from step {step + 1} on"
         )
     old, new = changes.get("data.sources", (None, None))
     if isinstance(old, list) and isinstance(new, list) and _without_weights(old) == _without_weights(new):
         raise UserError(
-            f"--resume {run}: data.sources weights are the weights from step 1, already trained: to change them from "
+            f"{run}: data.sources weights are the weights from step 1, already trained: to change them from "
             f"step {step + 1} on, keep data.sources and add {{step: {step + 1}, weights: {{...}}}} to data.mix_schedule"
         )
 
@@ -139,21 +140,22 @@ def refuse_changes(
     run: str,
     *,
     evaluated: bool = False,
+    flag: str = "--resume",
 ) -> None:
     """A UserError for the first change a resume from optimizer ``step`` cannot honour (``evaluated``: the
-    saved run had a validation set)."""
-    _refuse_mixture(changes, step, run)
+    saved run had a validation set; ``flag``: how the user asked for it, ``--resume`` or ``--auto-resume``)."""
+    _refuse_mixture(changes, step, f"{flag} {run}")
     for key, (old, new) in changes.items():
         if why := _why_refused(key, old, new, evaluated):
             keep = json.dumps(old) if old is None or isinstance(old, bool | int | float) else brief(old)
             raise UserError(
-                f"--resume {run}: {key} cannot change ({brief(old)} -> {brief(new)}) because {why}; "
+                f"{flag} {run}: {key} cannot change ({brief(old)} -> {brief(new)}) because {why}; "
                 f"start a new run to change it, or keep it with --set {key}={keep}"
             )
     old_g, new_g = saved_plan.get("global_batch_size"), plan.get("global_batch_size")
     if old_g is not None and old_g != new_g:
         raise UserError(
-            f"--resume {run}: the global batch cannot change ({old_g} -> {new_g}): the data position counts "
+            f"{flag} {run}: the global batch cannot change ({old_g} -> {new_g}): the data position counts "
             "global batches; keep batch.global_batch_size (micro batch and world size may change)"
         )
     total = plan.get("total_steps")
