@@ -29,6 +29,7 @@ __all__ = [
     "check_restart",
     "hang_dir",
     "list_hangs",
+    "ranks_text",
     "read_hang",
     "read_restarts",
     "stack_file",
@@ -65,6 +66,18 @@ RESTART: dict[str, tuple[str, bool]] = {
     "reason": ("text", False),
     "lost_s": ("nonnegative", False),
 }
+
+
+def ranks_text(ranks: list[int], shown: int = 16) -> str:
+    """A hang's stuck ranks for a line or a sentence, bounded: the first ``shown``, then how many more (a record of
+    20,000 stuck ranks stays a short line; ``--json`` and ``hang.json`` have them all).
+
+    Example:
+        >>> ranks_text([1, 2]), ranks_text(list(range(20)), 3)
+        ('1, 2', '0, 1, 2 and 17 more')
+    """
+    more = f" and {len(ranks) - shown} more" if len(ranks) > shown else ""
+    return ", ".join(str(r) for r in ranks[:shown]) + more
 
 
 def hang_dir(run: Path, step: int) -> Path:

@@ -24,7 +24,16 @@ from steadytrain._io import brief, ensure_dir, read_text, utc_now, write_text_at
 from steadytrain._yamlio import dump_yaml
 from steadytrain.errors import UserError
 
-__all__ = ["RunDir", "claim_run_dir", "exists_error", "lock_run", "open_run_dir", "record_owner"]
+__all__ = [
+    "RunDir",
+    "claim_run_dir",
+    "exists_error",
+    "held_error",
+    "lock_run",
+    "open_run_dir",
+    "record_owner",
+    "running_by",
+]
 
 
 @dataclass(frozen=True)
@@ -70,13 +79,19 @@ def claim_run_dir(path: Path) -> RunDir:
     try:
         path.mkdir()
     except FileExistsError:
-        raise exists_error(path) from None
+        raise held_error(path) or exists_error(path) from None
     except NotADirectoryError:
         raise UserError(f"run directory {path}: a parent is a file, not a directory") from None
     except OSError as err:  # a name too long, a read-only or full disk
         raise UserError(f"run directory {brief(str(path))}: cannot be created ({err.strerror or err})") from None
     run = RunDir(path)
-    run.checkpoints.mkdir()
+    try:
+        run.checkpoints.mkdir()
+    except OSError as err:  # another process's --auto-resume removed it as empty, between the two mkdirs
+        raise UserError(
+            f"run directory {brief(str(path))}: changed by another process as it was created "
+            f"({err.strerror or err}): run the command again"
+        ) from None
     return run
 
 
@@ -97,6 +112,35 @@ def _owner(run: RunDir) -> str:
         return "another process"
 
 
+def _busy(run: RunDir) -> UserError:
+    return UserError(
+        f"{run.path}: the run is being written by {_owner(run)}: wait for it to finish (or stop it) "
+        "before resuming it again"
+    )
+
+
+def running_by(path: Path) -> str | None:
+    """Who holds the run at ``path`` now (its lock): ``pid N on HOST since T``; None when no process does. Creates
+    nothing (a directory without a ``.lock`` is held by no one)."""
+    run = RunDir(Path(path))
+    if not run.lock.is_file():
+        return None
+    lock = FileLock(run.lock, timeout=0)
+    try:
+        lock.acquire()
+    except Timeout:
+        return _owner(run)
+    except OSError:  # unreadable: the caller's own error says what it found
+        return None
+    lock.release()
+    return None
+
+
+def held_error(path: Path) -> UserError | None:
+    """The refusal a second writer gets when another process holds the run at ``path`` (its lock), else None."""
+    return None if running_by(path) is None else _busy(RunDir(Path(path)))
+
+
 def lock_run(run: RunDir, *, record: bool = True) -> FileLock:
     """Hold ``run`` for this process: a second writer (two resumes at once) gets one clear error.
 
@@ -109,10 +153,7 @@ def lock_run(run: RunDir, *, record: bool = True) -> FileLock:
     try:
         lock.acquire()
     except Timeout:
-        raise UserError(
-            f"{run.path}: the run is being written by {_owner(run)}: wait for it to finish (or stop it) "
-            "before resuming it again"
-        ) from None
+        raise _busy(run) from None
     except OSError as err:
         raise UserError(f"{run.path}: cannot lock the run directory ({err.strerror or err})") from None
     if record:

@@ -42,7 +42,7 @@ def hang_lines(run_dir: str, found: list[dict[str, Any]]) -> list[str]:
         if h["stuck_ranks"] is None:
             out.append(f"step {h['step']}: no {records.HANG_FILE} (rank 0 stopped before writing it): see the stacks")
         else:
-            ranks = ", ".join(str(r) for r in h["stuck_ranks"])
+            ranks = records.ranks_text(h["stuck_ranks"])
             host = "an unknown host" if h["host"] is None else short(h["host"])
             frame = "an unknown frame (the rank did not report)" if h["frame"] is None else _frame(h["frame"])
             out += [f"step {h['step']}: rank(s) {ranks} stuck in {short(h['phase'])} on {host}", f"  at {frame}"]

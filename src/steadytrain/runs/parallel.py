@@ -235,6 +235,7 @@ def check_parallel(
         f"run.max_steps={steps}", "run.log_every=1", "monitor.layers=norms", "monitor.every_steps=1",
         "monitor.group=module",
     ]  # fmt: skip
+    load_config(config, [*overrides, *forced])  # the file's own distributed.mesh too: replaced below, still checked
     for shape in (mesh, against):  # a wrong key or value, a strategy or model the layout cannot take: before training
         cfg = load_config(config, [*overrides, *forced, f"distributed.mesh={mesh_text(shape)}"])
         check_model_args(cfg)  # on the meta device; tiny-lm's heads over tp, transformers' plan

@@ -18,8 +18,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from steadytrain._io import load_json, one_line, present, write_text_atomic
-from steadytrain._text import error_text, md
+from steadytrain._text import error_text, md, short
 from steadytrain.errors import UserError
+from steadytrain.rundir.layout import running_by
 from steadytrain.rundir.schema import check_nonfinite_report
 from steadytrain.runs import layerplot, mixplots, mixture, plots
 from steadytrain.runs.record import RunRecord, load_run, shown, smooth
@@ -165,6 +166,8 @@ def _stopped_line(rec: RunRecord, stopped: str | None, steps: int) -> str | None
             f"for {_value(patience)} evaluation(s) (eval.patience={_value(patience)}{since})"
         )
     if total and steps < total:
+        if (who := running_by(rec.run.path)) is not None:  # report of a run still training: not an early stop
+            return f"running: {steps} of {total} planned optimizer steps so far (written by {md(short(who))})"
         return f"stopped early: {steps} of {total} planned optimizer steps ran"
     return None
 

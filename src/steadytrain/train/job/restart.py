@@ -5,7 +5,8 @@ of ``--resume``), and otherwise starts the run there: a directory an earlier att
 (killed before its first save) is kept beside it as ``RUN.restart-N``, never overwritten or deleted; a directory
 that is not a steadytrain run (no ``plan.json`` or ``metrics.jsonl``, and more than a new run's bare
 ``checkpoints/``: a folder of the user's own) is refused and left where it is, as is one that holds the current
-directory (it cannot be moved aside from under it). Rank 0 decides, every rank gets its decision (one broadcast).
+directory (it cannot be moved aside from under it), and one another process holds (its lock: a run being written
+is never moved from under it). Rank 0 decides, every rank gets its decision (one broadcast).
 A run that had already finished is resumed, and the resume's checks end it: nothing to train (exit 0).
 
 Every automatic resume appends ``{"step", "world_size_before", "world_size_after", "reason", "lost_s"}`` to
@@ -27,8 +28,8 @@ from typing import Any
 from steadytrain._io import append_jsonl, brief, load_json, present, rewrite_jsonl
 from steadytrain._text import one_line, short
 from steadytrain.errors import UserError
-from steadytrain.rundir.hangs import HANG_FILE, read_hang, read_restarts
-from steadytrain.rundir.layout import RunDir
+from steadytrain.rundir.hangs import HANG_FILE, ranks_text, read_hang, read_restarts
+from steadytrain.rundir.layout import RunDir, exists_error, held_error, lock_run
 from steadytrain.rundir.schema import read_metrics
 from steadytrain.train.checkpoint.catalog import latest_checkpoint
 from steadytrain.train.setup.distributed import DistInfo, agree, from_main
@@ -75,10 +76,17 @@ def _decide(path: Path) -> bool:
         )
     _not_in_use(path)
     if not names:
-        path.rmdir()  # an empty directory: nothing to keep; the run claims it anew
+        try:
+            path.rmdir()  # an empty directory: nothing to keep; the run claims it anew
+        except OSError:  # another process claimed it meanwhile
+            raise held_error(path) or exists_error(path) from None
         return False
-    aside = _aside(path)
-    path.rename(aside)
+    lock = lock_run(RunDir(path), record=False)  # a run another process is writing is never moved from under it
+    try:
+        aside = _aside(path)
+        path.rename(aside)
+    finally:
+        lock.release()
     log.warning("--auto-resume: %s has no checkpoint to resume; kept it as %s and starting again", path, aside.name)
     return False
 
@@ -148,7 +156,7 @@ def _reason(run: RunDir, step: int, before: int | None, after: int) -> str:
             log.warning("--auto-resume: %s", one_line(err))
             continue
         if hang["step"] > step and path.stat().st_mtime >= _last_restart(run):  # a hang of the attempt that ended
-            ranks = ", ".join(str(r) for r in hang["stuck_ranks"])
+            ranks = ranks_text(hang["stuck_ranks"])
             return f"hang at step {hang['step']}: rank(s) {ranks} stuck in {short(hang['phase'])}"
     if before is not None and after < before:
         return f"world size {before} -> {after}: rank(s) lost"
