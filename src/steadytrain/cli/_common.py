@@ -49,37 +49,37 @@ run_argument = click.argument("run", type=click.Path(file_okay=False), callback=
 """The RUN argument of every command that reads a run directory."""
 
 
-class _RangeHelp:
-    """No range in ``--help`` for a number type without bounds (click's would read ``x<=None``)."""
+class _Digits:
+    """A number flag's text read by the project's one rule (:mod:`steadytrain._check`) before click's range check;
+    no range in ``--help`` for a type without bounds (click's would read ``x<=None``)."""
+
+    parse: Any = None
+    """``parse_int`` or ``parse_number``: a ValueError naming the text and the rule."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, str):
+            try:
+                value = type(self).parse(value)
+            except ValueError as err:
+                self.fail(str(err), param, ctx)  # type: ignore[attr-defined]
+        return super().convert(value, param, ctx)  # type: ignore[misc]
 
     def _describe_range(self) -> str:
         unbounded = self.min is None and self.max is None  # type: ignore[attr-defined]
         return "" if unbounded else super()._describe_range()  # type: ignore[misc]
 
 
-class WholeNumber(_RangeHelp, click.IntRange):
+class WholeNumber(_Digits, click.IntRange):
     """The type of every integer flag: digits 0-9 with an optional sign, as in a config and a mesh
     (:func:`steadytrain._check.parse_int`: ``int()`` alone would take ``1_0`` as 10 and ``٣`` as 3), within
     ``[min, max]`` like ``click.IntRange``."""
 
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
-        if isinstance(value, str):
-            try:
-                value = parse_int(value)
-            except ValueError as err:
-                self.fail(str(err), param, ctx)
-        return super().convert(value, param, ctx)
+    parse = staticmethod(parse_int)
 
 
-class Number(_RangeHelp, click.FloatRange):
+class Number(_Digits, click.FloatRange):
     """The type of every number flag: digits 0-9 as in a config (:func:`steadytrain._check.parse_number`:
     ``float()`` alone would take ``1_0``, ``٣``, ``nan`` and ``inf``), within ``[min, max]`` like
     ``click.FloatRange``."""
 
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
-        if isinstance(value, str):
-            try:
-                value = parse_number(value)
-            except ValueError as err:
-                self.fail(str(err), param, ctx)
-        return super().convert(value, param, ctx)
+    parse = staticmethod(parse_number)

@@ -38,13 +38,8 @@ _ROUND = (1.0, 2.0, 2.5, 5.0)
 def round_up(x: float) -> int:
     """The smallest of 25, 50, 100, 200, 250, 500, 1000, 2000, ... that is at least ``x`` (and :data:`FLOOR`)."""
     x = max(float(FLOOR), x) if math.isfinite(x) else 10.0**12
-    exp = math.floor(math.log10(x))
-    for e in (exp - 1, exp, exp + 1):
-        for m in _ROUND:
-            value = int(m * 10**e)
-            if value >= x:
-                return value
-    return int(10 ** (exp + 1))  # unreachable: 10^(exp+1) > x
+    exp = math.floor(math.log10(x))  # x >= 10^exp, so every candidate below 10^exp is too small
+    return min(v for e in (exp, exp + 1) for m in _ROUND if (v := int(m * 10**e)) >= x)
 
 
 class AutoCadence:
