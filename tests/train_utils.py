@@ -85,6 +85,16 @@ def evals(run_dir: Path) -> list[dict]:
     return [r for r in rows if "val_loss" in r]
 
 
+def user_package(root: Path, **modules: str) -> Path:
+    """``root/pkg`` holding each ``name=source`` as ``name.py``: the directory a test puts on ``PYTHONPATH`` for
+    ``model.name=name:factory``."""
+    pkg = root / "pkg"
+    pkg.mkdir()
+    for name, source in modules.items():
+        (pkg / f"{name}.py").write_text(source)
+    return pkg
+
+
 def write_text_dataset(path: Path, sizes: list[int], plant: Callable[[int, np.ndarray], None] | None = None) -> Path:
     """Byte sequences (33 bytes: seq_len 32 + 1) of this project's own source, one shard per size; ``plant(shard,
     rows)`` may change a shard's rows (a ``(n, 33)`` uint8 copy) before it is written: a cause planted in the data."""

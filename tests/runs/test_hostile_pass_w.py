@@ -30,21 +30,19 @@ from steadytrain.train.job.restart import record_restart
 from tests.cli_utils import EXE, assert_user_error, in_process
 from tests.runs.test_hostile_hangs import HANG, restarting, run_with_hang
 from tests.train.test_hardening_train import _MODEL, _args, _pause, _rows, _start, _wait_for
-from tests.train_utils import run_cli, write_text_dataset
+from tests.train_utils import run_cli, user_package, write_text_dataset
 
 STEPS = ("run.max_steps=6", "checkpoint.every_steps=2", "run.log_every=1")
 
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> Path:
-    return write_text_dataset(tmp_path_factory.mktemp("hostile-w") / "data", [40, 40, 40, 40])
+    return write_text_dataset(tmp_path_factory.mktemp("hostile-w") / "data", [40] * 4)
 
 
 @pytest.fixture
 def model_dir(tmp_path) -> Path:
-    (tmp_path / "pkg").mkdir()
-    (tmp_path / "pkg" / "pausemodel.py").write_text(_MODEL)
-    return tmp_path / "pkg"
+    return user_package(tmp_path, pausemodel=_MODEL)  # test_hardening_train's model that pauses at a chosen step
 
 
 def _auto(run: Path, data: Path, model_dir: Path, *items: str) -> subprocess.CompletedProcess:

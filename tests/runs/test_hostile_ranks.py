@@ -28,7 +28,7 @@ from steadytrain.diagnose import read_ledger
 from steadytrain.diagnose.ledger import append_event
 from steadytrain.runs.ranks import stragglers
 from tests.cli_utils import assert_user_error, in_process
-from tests.train_utils import bigram_module, train, write_text_dataset
+from tests.train_utils import bigram_module, train, user_package, write_text_dataset
 
 # --- ranks.jsonl and parity.jsonl written by hand ------------------------------------------------------------------
 
@@ -317,9 +317,7 @@ def _dataset(path: Path, poisoned: bool) -> Path:
 def poisoned(tmp_path_factory) -> SimpleNamespace:
     """A 5-step run (a checkpoint after every step) whose refused steps are the poisoned examples' doing."""
     root = tmp_path_factory.mktemp("poisoned")
-    pkg = root / "pkg"
-    pkg.mkdir()
-    (pkg / "poisoned.py").write_text(POISONED)
+    pkg = user_package(root, poisoned=POISONED)
     data = _dataset(root / "data", poisoned=True)
     run = root / "run"
     train(run, "model.name=poisoned:factory", "data.seq_len=32", "batch.micro_batch_size=4",

@@ -18,7 +18,7 @@ import pytest
 from steadytrain.data import global_batch
 from steadytrain.diagnose.ledger import read_ledger
 from tests.cli_utils import in_process
-from tests.train_utils import bigram_module, metrics, train, write_text_dataset
+from tests.train_utils import bigram_module, metrics, train, user_package, write_text_dataset
 
 PADDED = bigram_module(
     doc="A bigram LM whose per-example loss is the mean over its non-padding targets (byte 0 pads).",
@@ -47,9 +47,7 @@ def _pad(shard: int, rows: np.ndarray) -> None:
 @pytest.fixture(scope="module")
 def padded(tmp_path_factory) -> SimpleNamespace:
     root = tmp_path_factory.mktemp("padded")
-    pkg = root / "pkg"
-    pkg.mkdir()
-    (pkg / "padded.py").write_text(PADDED)
+    pkg = user_package(root, padded=PADDED)
     data = write_text_dataset(root / "data", [20] * 4, plant=_pad)  # 4 shards of 20
     run = root / "run"
     train(run, *COMMON, f"data.path={data}", PYTHONPATH=str(pkg))
