@@ -89,8 +89,10 @@ def report_cmd(run: str, as_json: bool) -> None:
 def hunt_cmd(run: str, shard: int | None, checkpoint: str | None, step: int | None, as_json: bool) -> None:
     """Replay one shard (or one step) of RUN in this process: module, examples, fields, provenance."""
     from steadytrain.diagnose import hunt
+    from steadytrain.rundir.origin import require_replayable
     from steadytrain.runs.replay import run_model
 
+    require_replayable(Path(run), "nan hunt")  # before the shard checks: an own-loop run cannot be replayed at all
     found = hunt(Path(run), shard, loader=run_model, checkpoint=checkpoint, step=step)
     _json(found.to_dict()) if as_json else _print_hunt(found)
 

@@ -42,8 +42,10 @@ def hunt_cmd(run: str, shard: int | None, checkpoint: str | None, step: int | No
     """Examples of one shard (or one step) of RUN whose loss is an outlier against healthy shards': their fields
     out of the healthy range, and the shard's provenance difference."""
     from steadytrain.diagnose import hunt
+    from steadytrain.rundir.origin import require_replayable
     from steadytrain.runs.replay import run_model
 
+    require_replayable(Path(run), "spikes hunt")  # before the shard checks: an own-loop run cannot be replayed at all
     found = hunt(Path(run), shard, loader=run_model, checkpoint=checkpoint, step=step, kind="spike")
     _json(found.to_dict()) if as_json else _print_hunt(found)
 

@@ -37,6 +37,7 @@ if TYPE_CHECKING:
         provenance_differences,
         provenance_outliers,
     )
+    from steadytrain.data.sampler import GlobalSampler
     from steadytrain.data.schema import POLICIES, FieldSpec, Schema, SchemaError, SchemaViolationError
     from steadytrain.data.sharded import ShardedDataset, assign_shards, collate_examples
 
@@ -52,6 +53,7 @@ __all__ = [
     "EvalSet",
     "FieldSpec",
     "FieldViolation",
+    "GlobalSampler",
     "IngestError",
     "IngestResult",
     "MicroBatchLoader",
@@ -96,6 +98,7 @@ export_lazily(
         "EvalSet": "evalset",
         "FieldSpec": "schema",
         "FieldViolation": "checks",
+        "GlobalSampler": "sampler",
         "IngestError": "ingest",
         "IngestResult": "ingest",
         "MicroBatchLoader": "loader",

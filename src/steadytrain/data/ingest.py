@@ -31,10 +31,10 @@ from typing import Any
 
 import pyarrow as pa
 
-from steadytrain import __version__
 from steadytrain._check import MAX_SEQ_LEN, check_int
 from steadytrain._io import _fsync_dir, brief, ensure_dir
 from steadytrain._text import one_line
+from steadytrain._version import __version__
 from steadytrain.data.format import open_dataset
 from steadytrain.data.infer import infer_schema
 from steadytrain.data.pack import AsideWriter, Output, ShardPacker

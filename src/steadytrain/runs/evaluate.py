@@ -17,6 +17,7 @@ import torch
 
 from steadytrain.errors import UserError
 from steadytrain.rundir.layout import RunDir, open_run_dir
+from steadytrain.rundir.origin import require_replayable
 from steadytrain.rundir.schema import read_plan
 from steadytrain.train.checkpoint.catalog import checkpoint_at, restore
 from steadytrain.train.job.evaluate import evaluate
@@ -94,9 +95,11 @@ def evaluate_run(run_dir: str | Path, *, step: int | None = None, data: str | Pa
     """``{"step", "val_loss", "val_items"}`` of the run's checkpoint at ``step`` (default: the latest).
 
     Raises:
-        UserError: not a run, no such checkpoint, no validation set, a dataset that does not fit.
+        UserError: not a run, a run of the user's own loop (``loop.json``), no such checkpoint, no validation set,
+            a dataset that does not fit.
     """
     run = open_run_dir(Path(run_dir))
+    require_replayable(run.path, "eval")  # before the config: an own-loop run's would build the default model
     cfg = load_config(run.config)
     path = checkpoint_at(run.checkpoints, step)
     info = init_distributed(cfg.distributed.backend)  # under torchrun the ranks share the evaluation set

@@ -32,6 +32,7 @@ from steadytrain.data.transform import load_transform
 from steadytrain.diagnose.settings import ReplaySettings
 from steadytrain.errors import UserError
 from steadytrain.rundir.layout import open_run_dir
+from steadytrain.rundir.origin import require_replayable
 from steadytrain.rundir.schema import read_metrics, read_plan
 from steadytrain.runs.mixreplay import MixtureReplay
 from steadytrain.train.checkpoint.catalog import latest_checkpoint, load_checkpoint
@@ -117,6 +118,7 @@ def initial_model(run_dir: str | Path) -> nn.Module:
         ``initial_model(run).state_dict()`` equals the weights the run's first step started from.
     """
     run = open_run_dir(Path(run_dir))
+    require_replayable(run.path, "steadytrain.runs.replay.initial_model")  # an own-loop config is not a TrainConfig
     cfg = load_config(run.config)
     return _seeded_model(cfg, data_path(cfg))
 
@@ -147,9 +149,11 @@ def run_model(
         weights are exactly those of ``before_step``; else what they are instead).
 
     Raises:
-        UserError: not a run directory, an unreadable checkpoint, or one that does not fit the model.
+        UserError: not a run directory, a run of the user's own loop (``loop.json``: its ``config.yaml`` is not a
+            training config), an unreadable checkpoint, or one that does not fit the model.
     """
     run = open_run_dir(Path(run_dir))
+    require_replayable(run.path, "steadytrain.runs.replay.run_model")  # an own-loop config is not a TrainConfig
     cfg = load_config(run.config)
     path = data_path(cfg)
     rollbacks: list[dict[str, Any]] = []

@@ -21,6 +21,7 @@ from steadytrain._text import error_text, one_line, short
 from steadytrain.env import SCOPES, diff
 from steadytrain.env.compare import IDENTITY, numerics_first
 from steadytrain.errors import UserError
+from steadytrain.rundir.origin import require_replayable
 from steadytrain.runs.record import RunRecord, load_run, shown
 
 __all__ = ["DEFAULT_STEPS", "Repro", "repro"]
@@ -156,13 +157,15 @@ def repro(run: str | Path, steps: int | None = None, *, out: str | Path | None =
         out: a new directory for the re-run, kept; default a temporary one, removed afterwards.
 
     Raises:
-        UserError: not a run directory, no recorded metrics, the data is gone, ``out`` exists.
+        UserError: not a run directory, a run of the user's own loop (``loop.json``), no recorded metrics, the data
+            is gone, ``out`` exists.
         Interrupted: SIGINT/SIGTERM during the re-run (``exit_code`` 130/143): nothing is compared.
     """
     from steadytrain.train.job.loop import Interrupted, TrainingStopped, train
 
     if steps is not None:
         check_int("steps", steps)
+    require_replayable(Path(run), "repro")  # before the config is read: an own-loop run's is the user's own mapping
     rec = load_run(run)
     if out is not None and os.path.lexists(out):  # train's own refusal would speak of --resume, a flag repro lacks
         raise UserError(f"--out {one_line(os.fspath(out))} exists: give a new directory for the re-run (never reused)")

@@ -51,6 +51,7 @@ from steadytrain.diagnose.mixture import shard_name, source_keys, sources_phrase
 from steadytrain.diagnose.ranks import flagged_examples, host_key, read_hosts
 from steadytrain.errors import UserError
 from steadytrain.rundir.layout import RunDir, open_run_dir
+from steadytrain.rundir.origin import require_replayable
 from steadytrain.rundir.schema import read_metrics
 from steadytrain.runs.replay import run_model
 
@@ -112,6 +113,7 @@ def _suspects(run_dir: Path, events: list) -> tuple[set[int], set[tuple[int, int
 def triage(run_dir: str | Path, step: int) -> Triage:
     """The counterfactual replays of refused step ``step`` and a verdict (see the module docstring)."""
     run = open_run_dir(Path(run_dir))
+    require_replayable(run.path, "triage")  # first: no check of the step can make an own-loop run replayable
     if not isinstance(step, int) or step < 1:
         raise UserError(f"--step {step!r}: give an optimizer step, 1 or more (a refused one: steadytrain nan report)")
     ledger = read_ledger(run.path)

@@ -19,6 +19,7 @@ from steadytrain.data.sourcemap import SOURCES_FILE, SourceMap, mixture_fingerpr
 from steadytrain.errors import UserError
 from steadytrain.rundir.hangs import read_restarts
 from steadytrain.rundir.layout import RunDir, claim_run_dir, lock_run, open_run_dir
+from steadytrain.rundir.origin import read_origin
 from steadytrain.rundir.schema import check_plan, read_metrics, read_resumes
 from steadytrain.train.observe.throughput import describe, summarize
 from steadytrain.train.setup.config import resolved_config
@@ -60,6 +61,11 @@ def prepare(
         try:
             if resume is not None:
                 run = open_run_dir(path)
+                if read_origin(run.path) is not None:
+                    raise UserError(
+                        f"{path}: a run of steadytrain.Run (your own loop), not of steadytrain train: continue it "
+                        "with Run(..., resume=True) in your script"
+                    )
                 check_latest(run.checkpoints)
                 lock = lock_run(run, record=False)  # its owner is recorded once the resume's checks pass
                 changes = _resume_changes(cfg, plan, run, flag)
@@ -297,26 +303,6 @@ def log_start(job: Job) -> None:
     if p.dropped_per_epoch:
         log.info("%d example(s) per epoch do not fill a global batch and are not used", p.dropped_per_epoch)
     log.info("run directory: %s", job.run.path)
-
-
-def record_nonfinite(job: Job, event: Any) -> None:
-    """Append this rank's record of a refused step to the ledger (one write and fsync: survives a kill)."""
-    from steadytrain.diagnose.ledger import append_event
-
-    if job.info.tp_rank == 0:  # a tensor-parallel group saw the same examples: its first rank records them once
-        append_event(job.run.nonfinite, event, job.state.step)
-    log.warning("step %d skipped on rank %d: %s", job.state.step, job.info.rank, event.message(job.state.step))
-
-
-def write_exposure(job: Job) -> dict[int, int]:
-    """Examples seen per shard over all ranks, written by rank 0 to ``exposure.json`` (a collective)."""
-    exposure = job.state.global_exposure(job.info, job.ds.shard_ids)
-    if job.info.is_main:
-        job.run.write_json(job.run.exposure, {str(k): v for k, v in sorted(exposure.items())})
-        if job.sources is not None:  # a mixture: what was seen of each source, in sources.json
-            seen = job.sources.with_exposure(exposure, job.ds.source_epochs(job.ds.steps_taken))
-            job.run.write_json(job.run.path / SOURCES_FILE, seen.to_dict())
-    return exposure
 
 
 def _nonfinite_report(job: Job) -> str | None:

@@ -35,6 +35,7 @@ from steadytrain.train.job.evaluate import Validation, precision_context
 from steadytrain.train.job.files import ResumeRecord
 from steadytrain.train.job.parity import check_parity, parity_due
 from steadytrain.train.job.ranks import record_rank_times
+from steadytrain.train.job.records import record_nonfinite, write_exposure
 from steadytrain.train.job.restore import (
     ROLLED_BACK,
     Restorable,
@@ -265,8 +266,8 @@ def _raised(job: Job) -> str:
     job.state.step += 1
     event = job.acc.nonfinite_events[-1]
     job.metrics.add(job.state.step, torch.tensor(float("nan")), job.step.lr, event.grad_norm, True)
-    runfiles.record_nonfinite(job, event)
-    runfiles.write_exposure(job)  # a collective: every rank raised at this step
+    record_nonfinite(job.run, job.info, job.state.step, event)
+    _exposure(job)  # a collective: every rank raised at this step
     return f"non-finite step {job.state.step} (nonfinite.policy=raise): see {job.run.nonfinite}"
 
 
@@ -335,10 +336,10 @@ def _after_step(job: Job, result: Any, loss: torch.Tensor) -> str | None:
         job.state.consecutive_skips = 0
     else:
         job.state.consecutive_skips += 1
-        runfiles.record_nonfinite(job, job.acc.nonfinite_events[-1])
+        record_nonfinite(job.run, job.info, job.state.step, job.acc.nonfinite_events[-1])
         # Every rank refused this step, so every rank joins this collective: the ledger's denominator
         # (examples seen per shard) is on disk with each event, and survives a kill.
-        runfiles.write_exposure(job)
+        _exposure(job)
     cfg = job.cfg
     if job.state.step % cfg.run.log_every == 0:
         job.metrics.flush()  # an all-reduce on every rank at the same step: the logged loss is the global batch's
@@ -368,6 +369,13 @@ def _after_step(job: Job, result: Any, loss: torch.Tensor) -> str | None:
     return None
 
 
+def _exposure(job: Job) -> dict[int, int]:
+    """``exposure.json`` (and a mixture's ``sources.json``) now: a collective, every rank calls it."""
+    mix = job.sources
+    seen = None if mix is None else lambda e: mix.with_exposure(e, job.ds.source_epochs(job.ds.steps_taken))
+    return write_exposure(job.run, job.info, job.state, job.ds.shard_ids, seen)
+
+
 def _last_step(job: Job) -> int:
     """The step the run ends after: the plan's total, or ``stop_after`` (``repro``) when sooner."""
     return min(job.plan.total_steps, job.stop_after or job.plan.total_steps)
@@ -382,7 +390,7 @@ def _checkpoint(job: Job) -> None:
     job.beat.enter("checkpoint")  # progress, however long it takes
     with job.metrics.aside("checkpoint"):
         job.metrics.flush()
-        exposure = runfiles.write_exposure(job)
+        exposure = _exposure(job)
         elapsed = job.metrics.elapsed()
         train = functools.partial(job.state.state_dict, elapsed_s=elapsed, exposure=exposure)  # rank 0 calls it
         keep = {job.validation.best_step} if job.validation and job.cfg.checkpoint.keep_best else set()

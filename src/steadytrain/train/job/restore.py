@@ -82,8 +82,9 @@ class Restorable:
     optimizer: torch.optim.Optimizer
     scheduler: Any
     state: TrainState
-    hyper: list[dict[str, Any]]
-    """Every param group's settings as this config built them (see :func:`~.resume.hyperparameters`)."""
+    hyper: list[dict[str, Any]] | None
+    """Every param group's settings as this config built them (see :func:`~.resume.hyperparameters`); None: the
+    checkpoint's own settings stay (an own loop's optimizer and scheduler, restored as they were saved)."""
     info: DistInfo
     run_cfg: RunConfig
 
@@ -99,7 +100,8 @@ def restore_checkpoint(parts: Restorable, path: Path) -> dict[str, Any]:
     saved = restore(path, parts.model, parts.optimizer, no_dist=info.backend is None)  # each rank its shards
     fresh_optimizer_state(parts.optimizer, saved["step"])
     parts.state.load_state_dict(saved["train"], is_main=info.is_main, where=state_file(path))
-    apply_hyperparameters(parts.optimizer, parts.scheduler, parts.hyper)
+    if parts.hyper is not None:
+        apply_hyperparameters(parts.optimizer, parts.scheduler, parts.hyper)
     restore_rng(info, parts.state.step, parts.run_cfg, path, saved)
     return saved
 

@@ -36,6 +36,12 @@ class TrainState:
     validation: Validation | None = None
     spikes: Any = None
     """The :class:`~steadytrain.train.job.spikes.SpikeGuard` (its window, rollbacks and skipped batches)."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Further stateful parts by name (what an own loop registers with :class:`steadytrain.Run`): each one's
+    ``state_dict()`` is JSON data, saved under ``extra.<name>``."""
+    complete: bool = True
+    """A trainer's state: the scheduler, accumulator and data position are required in a checkpoint it restores
+    (an own loop's may have no scheduler or sampler)."""
     step: int = 0
     epoch: int = 0
     consecutive_skips: int = 0
@@ -76,12 +82,13 @@ class TrainState:
                 "consecutive_skips": self.consecutive_skips,
                 "elapsed_s": elapsed_s,
                 "exposure": {str(k): v for k, v in sorted(exposure.items())},
-                "scheduler": self.scheduler.state_dict(),
+                **({"scheduler": self.scheduler.state_dict()} if self.scheduler is not None else {}),
                 "accumulator": self.accumulator.state_dict(),
-                "data": self.data.state_dict(),
+                **({"data": self.data.state_dict()} if self.data is not None else {}),
                 "scaler": self.scaler.state_dict() if self.scaler is not None else None,
                 "validation": self.validation.state_dict() if self.validation is not None else None,
                 "spikes": self.spikes.state_dict() if self.spikes is not None else None,
+                **({"extra": {k: v.state_dict() for k, v in self.extra.items()}} if self.extra else {}),
             },
             "train state",
         )
@@ -90,8 +97,10 @@ class TrainState:
         """Restore ``state`` (the exposure counts on rank 0 alone: it carries the global counts on); ``where``
         names the file in errors. Its types and ranges were checked when it was read
         (:func:`~steadytrain.train.checkpoint.schema.check_state`); each part here checks what only it can."""
-        check_resumable(state, where)
+        if self.complete:
+            check_resumable(state, where)
         state = from_json(state, f"{where}: train")
+        extra = state.get("extra") if isinstance(state.get("extra"), dict) else {}
         parts = {  # loaded in this order; None: this run has no such part, or the checkpoint none for it
             "scheduler": self.scheduler,
             "accumulator": self.accumulator,  # taken at a step boundary: any K (world size)
@@ -99,6 +108,7 @@ class TrainState:
             "data": self.data,
             "validation": self.validation if state.get("validation") else None,
             "spikes": self.spikes,  # None in the checkpoint: a new window
+            **{f"extra.{k}": v for k, v in self.extra.items()},
         }
         part = "exposure"
         try:
@@ -106,13 +116,18 @@ class TrainState:
             if foreign := sorted(set(saved) - set(getattr(self.data, "shard_ids", saved))):
                 raise UserError(f"shard {foreign[0]} is not a shard this run trains on")
             for part, target in parts.items():
+                saved_part = extra.get(part[6:], None) if part.startswith("extra.") else state.get(part)
+                if part.startswith("extra.") and part[6:] not in extra:
+                    raise UserError("the checkpoint holds no such part (it was not registered when it was saved)")
                 if target is not None:
-                    target.load_state_dict(state.get(part))
+                    target.load_state_dict(saved_part)
         except (UserError, KeyError, TypeError, ValueError, IndexError, AttributeError) as err:
             why = str(err) if isinstance(err, UserError) else f"{type(err).__name__}: {err}"
             fix = "the checkpoint does not fit this run or is damaged"
             raise UserError(f"{where}: train.{part}: {why}: {fix}") from None
-        self.step, self.epoch = int(state["step"]), int(state["data"]["epoch"])
+        data = state.get("data")
+        self.step = int(state["step"])
+        self.epoch = int(data.get("epoch", 0)) if isinstance(data, dict) else 0
         self.consecutive_skips = int(state.get("consecutive_skips", 0))
         self.elapsed_before = float(state.get("elapsed_s", 0.0))
         self._uncounted.clear()
@@ -121,9 +136,14 @@ class TrainState:
             self.exposure[shard] = n
 
     def global_exposure(self, info: DistInfo, shard_ids: Any) -> dict[int, int]:
-        """Examples seen per shard over all ranks (a collective: every rank calls it)."""
+        """Examples seen per shard over all ranks (a collective: every rank calls it). ``shard_ids``: the dataset's
+        (None: the shards seen so far, an own loop's; one more small all-reduce agrees on their number)."""
         exposure = self._fold()
-        size = max(max(shard_ids, default=-1) + 1, len(exposure))
+        size = max(max(() if shard_ids is None else shard_ids, default=-1) + 1, len(exposure))
+        if shard_ids is None and info.backend is not None:  # no dataset names the shards: the ranks agree on a size
+            longest = torch.tensor([size], dtype=torch.int64, device=info.device)
+            dist.all_reduce(longest, op=dist.ReduceOp.MAX)  # the counts' all-reduce below needs one length
+            size = int(longest.item())
         counts = torch.zeros(size, dtype=torch.int64)
         counts[: len(exposure)] = torch.from_numpy(exposure)
         if info.tp_rank:

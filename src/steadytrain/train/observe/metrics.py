@@ -85,6 +85,9 @@ class MetricsLog:
     """A :class:`~steadytrain.train.observe.throughput.Throughput`: rows get ``tokens_per_s``, ``flops_per_s``,
     ``mfu`` (the known ones, from ``items_per_s``) and ``peak_mem_mb`` (read once per flush: no device sync)."""
 
+    extra: dict[int, dict[str, Any]] = field(default_factory=dict)
+    """Keys an own loop adds to a step's row (``run.log``), by step: merged into the row when it is written."""
+
     def add(
         self, step: int, loss: torch.Tensor, lr: float, grad_norm: float, skipped: bool, spike: bool = False
     ) -> None:
@@ -178,7 +181,8 @@ class MetricsLog:
             row["checkpoint_s"] = round(p.aside["checkpoint"], 3)
         if self.throughput is not None:
             row |= self.throughput.fields(row["items_per_s"])
-        return row | {"spike": True} if p.spike else row
+        row = row | {"spike": True} if p.spike else row
+        return row | self.extra.pop(p.step) if p.step in self.extra else row
 
 
 class Progress:

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from steadytrain.train.setup.config import TrainConfig
     from steadytrain.train.setup.distributed import DistInfo
 
-__all__ = ["TRACKERS_FILE", "Trackers", "end_run", "start_trackers"]
+__all__ = ["TRACKERS", "TRACKERS_FILE", "Trackers", "end_run", "open_trackers", "start_trackers"]
 
 log = logging.getLogger("steadytrain.train")
 
@@ -121,42 +121,56 @@ class Trackers:
             self.path = None
 
 
-_KINDS: dict[str, tuple[str, Callable[[Path, TrainConfig], Tracker]]] = {
-    "tensorboard": ("tensorboard", lambda run, cfg: TensorBoard(run)),
-    "wandb": ("wandb", lambda run, cfg: Wandb(run)),
-    "mlflow": ("mlflow", lambda run, cfg: Mlflow(run, cfg.run.mlflow_uri)),
+_KINDS: dict[str, tuple[str, Callable[[Path, str | None], Tracker]]] = {
+    "tensorboard": ("tensorboard", lambda run, uri: TensorBoard(run)),
+    "wandb": ("wandb", lambda run, uri: Wandb(run)),
+    "mlflow": ("mlflow", lambda run, uri: Mlflow(run, uri)),
 }
 """Tracker -> (the module it needs, which is also its ``pip install steadytrain[...]`` extra; its builder)."""
+TRACKERS = tuple(_KINDS)
+"""The trackers a run may name."""
 
 
 def start_trackers(run: RunDir, cfg: TrainConfig, info: DistInfo, *, step: int = 0) -> Trackers:
     """Rank 0: the trackers ``run.trackers`` names, started (``step``: where a resume starts); other ranks: none."""
+    from steadytrain.train.setup.config import resolved_config
+
+    return open_trackers(
+        run, cfg.run.trackers, info, config=flatten(resolved_config(cfg)), step=step, mlflow_uri=cfg.run.mlflow_uri,
+        quiet=cfg.run.trackers == DEFAULT,
+    )  # fmt: skip
+
+
+def open_trackers(
+    run: RunDir, names: list[str], info: DistInfo, *, config: dict[str, Any], step: int = 0,
+    mlflow_uri: str | None = None, quiet: bool = False,
+) -> Trackers:  # fmt: skip
+    """Rank 0: the trackers ``names``, started with ``config`` (flat keys) and the run's environment summary;
+    other ranks: none. ``quiet``: a tracker not installed is said at debug level only (the default list)."""
     if not info.is_main:
         return Trackers(None, [])
     chosen = []
-    for name in dict.fromkeys(cfg.run.trackers):
+    for name in dict.fromkeys(names):
         module, build = _KINDS[name]
         if importlib.util.find_spec(module) is not None:
-            chosen.append(build(run.path, cfg))
-        elif cfg.run.trackers == DEFAULT:  # the default (also as a resumed run's config.yaml lists it): no noise
-            log.debug("tensorboard is not installed: no TensorBoard logs (pip install steadytrain[tensorboard])")
+            chosen.append(build(run.path, mlflow_uri))
+        elif quiet:  # the default (also as a resumed run's config.yaml lists it): no noise
+            log.debug("%s is not installed: no %s logs (pip install steadytrain[%s])", name, name, name)
         else:
             log.warning("run.trackers: %s is not installed: pip install steadytrain[%s]; training goes on", name, name)
     trackers = Trackers(run.path, chosen)
     if chosen:
-        trackers.start(_tracked_config(run, cfg), step=step)
+        trackers.start(config | _environment(run), step=step)
     return trackers
 
 
-def _tracked_config(run: RunDir, cfg: TrainConfig) -> dict[str, Any]:
-    """The resolved config as flat keys, and the environment manifest's summary as ``env.*`` (no package list)."""
-    from steadytrain.train.setup.config import resolved_config
-
-    out = flatten(resolved_config(cfg))
+def _environment(run: RunDir) -> dict[str, Any]:
+    """The environment manifest's summary as ``env.*`` flat keys (no package list)."""
     try:
         manifest = load_json(run.env, what="environment manifest") if run.env.exists() else {}
     except Exception:  # a manifest that cannot be read is the report's concern, not the trackers'
         manifest = {}
+    out: dict[str, Any] = {}
     if isinstance(manifest, dict):
         image = manifest.get("image")
         if isinstance(image, dict):

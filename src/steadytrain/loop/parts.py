@@ -1,0 +1,226 @@
+"""What an open :class:`~steadytrain.loop.run.Run` holds: the trainer's writers, built for a loop of your own.
+
+:func:`build_parts` makes them once the directory is open (every rank, in the same order: the checkpoint writer and
+the watchdog may hold collectives), restores a checkpoint when resuming, and cuts the logs at it. :func:`close_parts`
+ends them. Each writer is the one ``steadytrain train`` uses (:class:`MetricsLog`, :class:`SpikeGuard`,
+:class:`LayerMonitor`, :class:`CheckpointWriter`, :func:`restore_checkpoint`, the watchdog, the trackers, the report).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from steadytrain._mapping import flatten
+from steadytrain._text import error_text
+from steadytrain.errors import UserError
+from steadytrain.loop.opening import Opened, Origin
+from steadytrain.rundir.layout import RunDir
+from steadytrain.train.checkpoint.writer import CheckpointFailed, CheckpointWriter
+from steadytrain.train.job.files import record_environment, truncate_logs
+from steadytrain.train.job.records import write_exposure
+from steadytrain.train.job.restore import Restorable, restore_checkpoint
+from steadytrain.train.job.resume import record_resume
+from steadytrain.train.job.spikes import SpikeGuard
+from steadytrain.train.job.state import TrainState
+from steadytrain.train.observe.layers import LayerMonitor
+from steadytrain.train.observe.metrics import MetricsLog, Progress
+from steadytrain.train.observe.trackers import end_run, open_trackers
+from steadytrain.train.observe.watchdog import Beat, Watchdog, start_watchdog
+from steadytrain.train.setup.distributed import DistInfo
+
+if TYPE_CHECKING:
+    from steadytrain.loop.run import Run
+
+__all__ = ["LoopParts", "build_parts", "close_parts", "run_info", "tag_of"]
+
+log = logging.getLogger("steadytrain.loop")
+
+
+@dataclass
+class LoopParts:
+    """The writers and state of one open Run."""
+
+    info: DistInfo
+    run: RunDir
+    origin: Origin
+    lock: Any
+    state: TrainState
+    spikes: SpikeGuard
+    metrics: MetricsLog
+    writer: CheckpointWriter
+    beat: Beat
+    watchdog: Watchdog | None
+    plan_pending: bool = True
+    """``plan.json`` does not have the micro-batch size yet (written at the first step's end)."""
+    micro: int | None = None
+    """The first micro-batch's number of examples (from its ids), for ``plan.json``."""
+
+    def write_plan(self, run: Run) -> None:
+        """Rank 0: ``plan.json`` with the batch factors the first step showed (micro-batch size from its ids)."""
+        self.plan_pending = False
+        micro = self.micro
+        if not self.info.is_main or not micro:
+            return
+        from steadytrain._io import load_json
+
+        plan = load_json(self.run.plan, what="batch plan") if self.run.plan.is_file() else {}
+        k, w = run.accumulator.accumulation_steps, self.info.world_size
+        plan |= {"micro_batch_size": micro, "accumulation_steps": k, "world_size": w}
+        plan["global_batch_size"] = micro * k * w
+        self.run.write_json(self.run.plan, plan)
+        self.metrics.items_per_step = micro * k * w
+
+
+def run_info(model: torch.nn.Module) -> DistInfo:
+    """Where this process sits: the process group the loop made (torchrun's), or a single process."""
+    params = list(model.parameters())
+    device = params[0].device if params else torch.device("cpu")
+    if not (dist.is_available() and dist.is_initialized()):
+        return DistInfo(0, 1, 0, device, None)
+    from torch.distributed.fsdp import FSDPModule
+
+    kind = "fsdp" if isinstance(model, FSDPModule) else "ddp"
+    local = int(os.environ.get("LOCAL_RANK", "0") or 0)
+    return DistInfo(dist.get_rank(), dist.get_world_size(), local, device, dist.get_backend(), kind)
+
+
+def tag_of(ids: Any, tag: Any, shard_size: int) -> dict[str, Any] | None:
+    """The micro-batch's tag: shards and indices from example ``ids`` (or the caller's ``tag``); None without."""
+    if ids is not None and tag is not None:
+        raise UserError("run.micro_batch(ids, tag=...): give the example ids or a tag, not both")
+    if tag is not None:
+        if not isinstance(tag, dict) or not {"shard", "index"} <= tag.keys():
+            raise UserError("run.micro_batch(tag=...): give a dict with 'shard' and 'index' (one per example)")
+        shard, index = _ints("tag['shard']", tag["shard"]), _ints("tag['index']", tag["index"])
+        if shard.shape != index.shape:
+            raise UserError(f"run.micro_batch(tag=...): {len(shard)} shard ids for {len(index)} indices")
+        return {**tag, "shard": shard, "index": index, "losses": tag.get("losses")}
+    if ids is None:
+        return None
+    found = _ints("run.micro_batch(ids)", ids)
+    return {"shard": found // shard_size, "index": found % shard_size, "losses": None}
+
+
+def _ints(name: str, value: Any) -> torch.Tensor:
+    """``value`` as a 1-D int64 host tensor of ids >= 0 (a list, a NumPy array or a tensor of integers)."""
+    try:
+        t = value.detach().cpu() if isinstance(value, torch.Tensor) else torch.as_tensor(np.asarray(value))
+    except (TypeError, ValueError) as err:
+        raise UserError(f"{name}: {error_text(err)}: give integer example ids") from None
+    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+        raise UserError(f"{name}: {t.dtype} values: give integer example ids")
+    t = t.reshape(-1).to(torch.int64)
+    if t.numel() and int(t.min()) < 0:
+        raise UserError(f"{name}: id {int(t.min())} is negative: give ids >= 0")
+    return t
+
+
+def build_parts(run: Run, info: DistInfo, opened: Opened) -> LoopParts:
+    """Every writer of the open run (a collective: every rank, in this order), a checkpoint restored."""
+    from steadytrain.env import capture
+
+    s, rd = run.settings, opened.run
+    spikes = SpikeGuard(s.spike_config(), info, rd.spikes)
+    state = TrainState(run.scheduler, run.accumulator, s.sampler, spikes=spikes, extra=dict(s.state), complete=False)
+    writer = CheckpointWriter(rd.checkpoints, info, use_async=s.async_checkpoint, keep_last=s.keep_last)
+    writer.guard(run.optimizer)
+    record_environment(info, rd, capture(), resume=opened.checkpoint is not None)  # a gather: every rank
+    if opened.checkpoint is not None:
+        _restore(run, info, rd, opened, state)
+    if spikes.decides:  # the flag is read with the gradient norm, in the step's one host read
+        run.accumulator.veto = lambda norm: spikes.veto(run.step + 1, run._loss / max(run._micros, 1), norm)
+    metrics = _metrics(run, info, rd, state, spikes)
+    beat = Beat(state.step)
+    parts = LoopParts(info, rd, Origin(s.model_factory, s.dataset, s.shard_size), opened.lock, state, spikes,
+                      metrics, writer, beat, None)  # fmt: skip
+    parts.watchdog = start_watchdog(s.watchdog_s, info, rd.path, beat)
+    return parts
+
+
+def _restore(run: Run, info: DistInfo, rd: RunDir, opened: Opened, state: TrainState) -> None:
+    """The checkpoint into the model, optimizer and every part (the trainer's restore path); the logs cut at it."""
+    seed = _Seed(run.settings.seed)
+    parts = Restorable(run.model, run.optimizer, run.scheduler, state, None, info, seed)  # type: ignore[arg-type]
+    restore_checkpoint(parts, opened.checkpoint)
+    if info.is_main:
+        truncate_logs(rd, state.step, rollbacks=0)
+        record_resume(rd, step=state.step, world_size=info.world_size, checkpoint=opened.checkpoint.name,
+                      changes=opened.changes)  # fmt: skip
+        log.info("resumed %s at step %d from %s", rd.path, state.step, opened.checkpoint.name)
+
+
+@dataclass(frozen=True)
+class _Seed:
+    """What a restore on another world size derives the random streams from."""
+
+    seed: int
+    deterministic: bool = False
+
+
+def _metrics(run: Run, info: DistInfo, rd: RunDir, state: TrainState, spikes: SpikeGuard) -> MetricsLog:
+    s = run.settings
+    layers = None
+    if s.layers:
+        layers = LayerMonitor(run.model, "auto", s.layers_every or s.log_every, lambda: state.step + 1)
+        run.accumulator.observer = layers
+    total = s.total_steps or 0
+    trackers = open_trackers(rd, list(s.trackers), info, config=flatten(run.config), step=state.step,
+                             mlflow_uri=s.mlflow_uri)  # fmt: skip
+    return MetricsLog(
+        rd, info, items_per_step=0, max_grad_norm=run.accumulator.max_grad_norm, total_steps=total,
+        elapsed_before=state.elapsed_before, progress=Progress(total, state.step) if info.is_main and total else None,
+        spikes=spikes if spikes.collects else None, layers=layers, trackers=trackers,
+    )  # fmt: skip
+
+
+def close_parts(run: Run, p: LoopParts, failed: BaseException | None) -> None:
+    """End the run (see :meth:`Run.close`)."""
+    clean = failed is None
+    stopped = None if clean else f"{type(failed).__name__}: {error_text(failed, 200)}"
+    try:
+        if p.watchdog is not None:
+            p.watchdog.stop()
+        if clean or p.info.backend is None:  # the collectives only when every rank gets here
+            run._flush(p.metrics)
+            write_exposure(p.run, p.info, p.state, None)
+        with contextlib.suppress(CheckpointFailed):
+            p.writer.wait() if clean else None
+        p.writer.close()
+        if p.metrics.progress is not None:
+            p.metrics.progress.close()
+    finally:
+        if p.lock is not None:
+            p.lock.release()
+    if p.info.is_main:
+        _nonfinite_report(p)
+        report = _report if run.settings.report else None
+        end_run(p.metrics.trackers, p.run, (stopped, "FINISHED" if clean else "FAILED"), report)
+
+
+def _nonfinite_report(p: LoopParts) -> None:
+    """``nonfinite_report.json`` beside the ledger, as the trainer writes it (the report reads its sentence)."""
+    from steadytrain.diagnose import report
+
+    if not p.run.nonfinite.is_file():
+        return
+    try:
+        rep = report(p.run.path)
+    except UserError as err:
+        log.warning("%s: no non-finite report: %s", p.run.path, err)
+        return
+    p.run.write_json(p.run.path / "nonfinite_report.json", rep.to_dict())
+    log.warning("non-finite steps: %s", rep.sentence)
+
+
+def _report(run_dir: str, stopped: str | None) -> None:
+    from steadytrain.runs.report import report
+
+    report(run_dir, stopped=stopped)

@@ -1,0 +1,334 @@
+"""``steadytrain.Run``: the guarantees of ``steadytrain train`` around a training loop of your own.
+
+Open it on every rank (under torchrun rank 0 writes what one writer writes), run each micro-batch inside
+``run.micro_batch(ids)`` and call ``mb.backward(loss)`` there, as with the :class:`GradientAccumulator` it drives;
+``run.checkpoint(step)`` when you want one. At each optimizer step the Run writes, through the trainer's own
+writers: the ``metrics.jsonl`` row (the step loss over all ranks, LR, global gradient norm, clipped, skipped, time),
+a refused step's line in ``nonfinite.jsonl`` and ``exposure.json`` (the examples in play, by shard), a spike's in
+``spikes.jsonl``, the per-layer norms of ``layers.jsonl``, the watchdog's beat. Checkpoints are the trainer's
+(sharded, complete or absent, every RNG); ``Run(..., resume=True)`` restores the latest and cuts the logs at it.
+At close: ``summary.md`` and ``plots/`` (``steadytrain report``'s), and the experiment trackers get them.
+
+Example:
+    >>> import tempfile, torch
+    >>> model = torch.nn.Linear(2, 1); opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    >>> with Run(tempfile.mkdtemp() + "/run", model=model, optimizer=opt, report=False) as run:
+    ...     for step in range(run.start_step, 3):
+    ...         ids = torch.arange(4) + 4 * step
+    ...         with run.micro_batch(ids) as mb:
+    ...             mb.backward(model(torch.ones(4, 2)).pow(2).mean())
+    >>> run.step
+    3
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from steadytrain.accumulate import GradientAccumulator
+from steadytrain.accumulate.events import SPIKE
+from steadytrain.errors import UserError
+from steadytrain.loop.opening import Origin, check_config_mapping, open_run
+from steadytrain.loop.parts import LoopParts, build_parts, close_parts, run_info, tag_of
+from steadytrain.loop.settings import RunSettings
+from steadytrain.train.checkpoint.writer import CheckpointFailed
+from steadytrain.train.job.records import record_nonfinite, write_exposure
+from steadytrain.train.observe.metrics import MetricsLog
+
+__all__ = ["Run"]
+
+log = logging.getLogger("steadytrain.loop")
+
+RESERVED = frozenset(
+    {"step", "loss", "lr", "grad_norm", "clipped", "skipped", "items", "items_per_s", "step_s", "elapsed_s", "spike",
+     "checkpoint_s", "tokens_per_s", "flops_per_s", "mfu", "peak_mem_mb", "rollback", "rollback_to",
+     "skipped_batches", "val_nonfinite", "early_stop", "val_time_s"}
+)  # fmt: skip
+"""Keys of a ``metrics.jsonl`` row the Run measures itself (``run.log`` refuses them)."""
+
+
+class Run:
+    """A run directory for your own loop (see the module docstring); a context manager every rank opens.
+
+    Args:
+        run_dir: where the run is written; never overwritten (``resume=True`` continues it).
+        model: the model the loop trains (plain, DDP or FSDP2).
+        optimizer: its optimizer.
+        scheduler: an LR scheduler the checkpoints save (given to the accumulator the Run makes, which steps it
+            once per applied optimizer step; with your own ``accumulator``, its scheduler or None).
+        accumulator: your :class:`GradientAccumulator`; None: the Run makes one from ``accumulation_steps``,
+            ``max_grad_norm``, ``on_nonfinite`` (as ``run.accumulator``).
+        config: your run's settings (a mapping), recorded as given in ``config.yaml``.
+        resume: continue ``run_dir`` from its latest complete checkpoint (a fresh start when it has none).
+        settings: the rest as keywords (:class:`~steadytrain.loop.settings.RunSettings`): ``shard_size``,
+            ``spike``, ``layers``, ``watchdog_s``, ``log_every``, ``trackers``, ``total_steps``, ``sampler``,
+            ``state``, ``model_factory``, ``dataset``, ``report``, ...
+    """
+
+    def __init__(
+        self,
+        run_dir: str | Path,
+        *,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any = None,
+        accumulator: GradientAccumulator | None = None,
+        config: Mapping[str, Any] | None = None,
+        resume: bool = False,
+        **settings: Any,
+    ) -> None:
+        if not isinstance(run_dir, str | Path) or not str(run_dir).strip():
+            raise UserError(f"Run(run_dir={run_dir!r}): give the run directory as a path")
+        if not isinstance(model, torch.nn.Module):
+            raise UserError(f"Run(model={type(model).__name__}): give the torch.nn.Module your loop trains")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise UserError(f"Run(optimizer={type(optimizer).__name__}): give its torch.optim.Optimizer")
+        if not isinstance(resume, bool):
+            raise UserError(f"Run(resume={resume!r}): give True or False")
+        self.path = Path(run_dir)
+        self.settings = RunSettings.build(settings)
+        self.config = check_config_mapping(config)
+        self.accumulator = self._accumulator(model, optimizer, scheduler, accumulator)
+        self.model, self.optimizer, self.resume = model, optimizer, resume
+        self.scheduler = self.accumulator.scheduler
+        self.start_step = 0
+        """The last step the loop trained before this Run was opened (0: a fresh start)."""
+        self.step = 0
+        """The optimizer steps ended so far (the last one's number)."""
+        self._parts: LoopParts | None = None
+        self._closed = False
+        self._loss: torch.Tensor | None = None
+        self._micros = 0
+        self._lr = 0.0
+        self._extra: dict[int, dict[str, Any]] = {}
+
+    def _accumulator(
+        self, model: Any, optimizer: Any, scheduler: Any, acc: GradientAccumulator | None
+    ) -> GradientAccumulator:
+        s = self.settings
+        if acc is None:
+            return GradientAccumulator(
+                model, optimizer, accumulation_steps=s.accumulation_steps, scheduler=scheduler,
+                max_grad_norm=s.max_grad_norm, on_nonfinite=s.on_nonfinite,
+            )  # fmt: skip
+        if not isinstance(acc, GradientAccumulator):
+            raise UserError(f"Run(accumulator={type(acc).__name__}): give a steadytrain GradientAccumulator or None")
+        if acc.model is not model or acc.optimizer is not optimizer:
+            raise UserError("Run(accumulator=...): it drives another model or optimizer than the Run's: give the same")
+        if scheduler is not None and acc.scheduler is not scheduler:
+            raise UserError("Run(scheduler=...): the accumulator steps another scheduler: give it to the accumulator")
+        if acc.micro_steps or acc.optimizer_steps or acc.skipped_steps:
+            raise UserError("Run(accumulator=...): it has stepped already: open the Run before the first micro-batch")
+        return acc
+
+    # -- opening and closing ---------------------------------------------------------------------------------------
+    def __enter__(self) -> Run:
+        if self._parts is not None or self._closed:
+            raise UserError(f"Run({self.path}): opened already; a Run is opened once (make a new one to resume)")
+        info = run_info(self.model)
+        s = self.settings
+        plan = {
+            "accumulation_steps": self.accumulator.accumulation_steps,
+            "world_size": info.world_size,
+            "lr": self.optimizer.param_groups[0]["lr"] or None,
+            "total_steps": s.total_steps,
+            "data": s.dataset,
+        }
+        origin = Origin(s.model_factory, s.dataset, s.shard_size)
+        opened = open_run(self.path, info, config=self.config, resume=self.resume, origin=origin,
+                          plan={k: v for k, v in plan.items() if v is not None})  # fmt: skip
+        try:
+            self._parts = build_parts(self, info, opened)
+        except BaseException:
+            if opened.lock is not None:
+                opened.lock.release()
+            raise
+        self.start_step = self.step = self._parts.state.step
+        return self
+
+    def __exit__(self, kind: Any, err: Any, tb: Any) -> None:
+        self.close(failed=err)
+
+    def close(self, failed: BaseException | None = None) -> None:
+        """Write the last rows and exposure, wait for the checkpoint in flight, write the report (rank 0), release
+        the directory. Every rank calls it (the ``with`` block does); after an exception only this rank's files
+        are finished (no collective: a peer may be gone)."""
+        if self._closed or self._parts is None:
+            self._closed = True
+            return
+        self._closed = True
+        close_parts(self, self._parts, failed)
+
+    # -- the loop's calls ------------------------------------------------------------------------------------------
+    @property
+    def parts(self) -> LoopParts:
+        if self._parts is None:
+            raise UserError(
+                f"Run({self.path}) is {'closed' if self._closed else 'not open'}: use it inside `with Run(...) as run:`"
+            )
+        if self._closed:
+            raise UserError(f"Run({self.path}) is closed: open a new Run(..., resume=True) to go on")
+        return self._parts
+
+    @contextlib.contextmanager
+    def micro_batch(
+        self, ids: Any = None, *, num_items: Any = None, tag: Mapping[str, Any] | None = None
+    ) -> Iterator[Any]:
+        """One micro-batch: forward and ``mb.backward(loss)`` inside. ``ids``: the examples' ids (integers; the Run
+        maps id ``i`` to shard ``i // shard_size``, index ``i % shard_size``), or ``tag={"shard", "index"}``;
+        ``num_items``: as :meth:`GradientAccumulator.micro_batch`. The step ends with the cycle's last one."""
+        p = self.parts
+        found = tag_of(ids, tag, p.origin.shard_size)
+        if self._micros == 0:
+            self._lr = self.optimizer.param_groups[0]["lr"]
+        if found is not None:
+            p.state.count(found["shard"])
+            if p.micro is None:
+                p.micro = len(found["index"])
+            if p.spikes.collects:
+                p.spikes.tags.append(found)
+        p.beat.enter("forward")
+        with self.accumulator.micro_batch(num_items=num_items, tag=found) as mb:
+            yield _Micro(mb, found)
+            if mb.loss is not None:  # a body without a backward is the accumulator's error, at the block's end
+                if found is not None and p.spikes.detector is not None:
+                    found["loss"] = mb.loss
+                self._loss = mb.loss if mb.position == 0 or self._loss is None else self._loss + mb.loss
+                self._micros = mb.position + 1
+            p.beat.enter("all_reduce")  # the cycle's end: the gradient sync, the norm, the update
+        p.beat.enter("data")
+        if mb.result is not None:
+            self._end_step(p, mb.result)
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Mark a part of your step for the hang watchdog (``forward``, ``backward``, ``all_reduce``, ``eval``...)."""
+        p = self.parts
+        p.beat.enter(str(name))
+        try:
+            yield
+        finally:
+            p.beat.enter("data")
+
+    def _end_step(self, p: LoopParts, result: Any) -> None:
+        self.step = p.state.step = self.step + 1
+        p.beat.stepped(self.step)
+        loss = self._loss / max(self._micros, 1) if self._loss is not None else torch.tensor(float("nan"))
+        self._loss, self._micros = None, 0
+        event = self.accumulator.nonfinite_events[-1] if not result.stepped else None
+        spike = event is not None and event.reason == SPIKE
+        p.spikes.end_step(self.step, self.accumulator, result.grad_norm, self.step - 1)
+        if len(p.metrics._pending) >= self.settings.log_every:  # rows of earlier steps: their run.log calls are in
+            self._flush(p.metrics)
+        p.metrics.add(self.step, loss, self._lr, result.grad_norm, not result.stepped, spike)
+        if spike:
+            p.spikes.record(self.step, event, p.spikes.limits, self.step - 1, action="skip")
+        elif event is not None:
+            p.state.consecutive_skips += 1
+            record_nonfinite(p.run, p.info, self.step, event)
+            write_exposure(p.run, p.info, p.state, None)  # a collective: every rank refused this step
+        else:
+            p.state.consecutive_skips = 0
+        if p.plan_pending:
+            p.write_plan(self)
+
+    def _flush(self, metrics: MetricsLog) -> None:
+        """Write the pending rows with the keys ``run.log`` added to them."""
+        metrics.extra = self._extra
+        metrics.flush()
+        self._extra = {}
+
+    def log(self, step: int, **metrics: Any) -> None:
+        """Add your keys to step ``step``'s ``metrics.jsonl`` row (the step the loop ended last; the Run measures
+        loss, lr and grad_norm itself). ``val_loss`` (with ``val_items``) makes an evaluation row instead."""
+        p = self.parts
+        if isinstance(step, bool) or not isinstance(step, int) or not 1 <= step <= self.step:
+            raise UserError(f"run.log(step={step!r}): give the number of a step the loop has ended (1 to {self.step})")
+        if "val_loss" in metrics:
+            self._eval_row(p, step, metrics)
+            return
+        pending = {r.step for r in p.metrics._pending}
+        if step not in pending:
+            raise UserError(
+                f"run.log(step={step}): that step's row is written already; log a step's keys before the next "
+                f"{self.settings.log_every} steps end (Run(log_every=...))"
+            )
+        for key, value in metrics.items():
+            if key in RESERVED:
+                raise UserError(f"run.log({key}=...): the Run measures {key} itself; log yours under another name")
+            self._extra.setdefault(step, {})[key] = _plain(key, value)
+
+    def _eval_row(self, p: LoopParts, step: int, metrics: dict[str, Any]) -> None:
+        row = {"step": step, "val_loss": _plain("val_loss", metrics.pop("val_loss"))}
+        row["val_items"] = _plain("val_items", metrics.pop("val_items", 0))
+        row |= {k: _plain(k, v) for k, v in metrics.items()}
+        self._flush(p.metrics)
+        p.metrics.add_eval(row)
+
+    def checkpoint(self, step: int | None = None) -> None:
+        """Save the state after step ``step`` (the last ended; a collective: every rank calls it): model, optimizer,
+        scheduler, accumulator, spike window, data position (``sampler``), your ``state`` parts and every rank's
+        random streams, with the trainer's writer (asynchronous, complete or absent). A failed save is logged; the
+        previous checkpoint stays the latest."""
+        p = self.parts
+        step = self.step if step is None else step
+        if step != self.step:
+            raise UserError(f"run.checkpoint({step!r}): the loop has ended step {self.step}: checkpoint that one")
+        if self._micros:
+            raise UserError(
+                f"run.checkpoint({step}): {self._micros} micro-batch(es) of step {step + 1} are in progress: "
+                "checkpoint after a step's last micro-batch"
+            )
+        p.beat.enter("checkpoint")
+        try:
+            with p.metrics.aside("checkpoint"):
+                self._flush(p.metrics)
+                exposure = write_exposure(p.run, p.info, p.state, None)
+                train = p.state.state_dict(elapsed_s=p.metrics.elapsed(), exposure=exposure)
+                with contextlib.suppress(CheckpointFailed):  # logged with its step; the previous stays the latest
+                    p.writer.save(step, self.model, self.optimizer, train, frozenset())
+        finally:
+            p.beat.enter("data")
+
+
+class _Micro:
+    """The accumulator's micro-batch, whose ``backward`` also takes per-example losses (a 1-D tensor: its mean is the
+    micro-batch's loss, and which examples went non-finite is recorded with a refused step)."""
+
+    def __init__(self, mb: Any, tag: dict[str, Any] | None) -> None:
+        self._mb, self._tag = mb, tag
+
+    def backward(self, loss: torch.Tensor) -> None:
+        if isinstance(loss, torch.Tensor) and loss.ndim == 1:
+            if self._tag is not None:
+                if len(loss) != len(self._tag["index"]):
+                    raise UserError(
+                        f"mb.backward(losses): {len(loss)} per-example losses for {len(self._tag['index'])} ids: "
+                        "give one per example, or the scalar mean"
+                    )
+                self._tag["losses"] = loss.detach()  # flags computed only if the step is refused: no host read
+            loss = loss.mean()
+        self._mb.backward(loss)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._mb, name)
+
+
+def _plain(key: str, value: Any) -> Any:
+    """A metric as ``metrics.jsonl`` holds it: a Python number, string or flag (a 0-dim tensor is read)."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise UserError(f"run.log({key}=tensor of shape {tuple(value.shape)}): give one number")
+        value = value.item()  # host read: the caller asked to log it
+    if isinstance(value, bool | int | float | str) or value is None:
+        if isinstance(value, float) and not math.isfinite(value):
+            return None  # a non-finite value is written as null, as the Run's own are
+        return value
+    raise UserError(f"run.log({key}={type(value).__name__}): give a number or a string")

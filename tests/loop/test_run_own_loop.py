@@ -1,0 +1,126 @@
+"""``steadytrain.Run`` around a user's own loop (:mod:`tests.loop.own_loop`), on one process.
+
+The oracle is :func:`tests.loop.own_loop.reference`, the same training written in plain torch, and the data's own
+order (:meth:`GlobalSampler.indices`): which steps hold a planted example is computed from it, never from the Run.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from steadytrain.data import GlobalSampler
+from tests.loop import own_loop
+from tests.loop.own_loop import ACCUM, MICRO, SHARD, Examples, N
+
+STEPS = 24
+NAN = range(130, 140)  # shard 2 (of 60-example shards)
+
+
+def _rows(run: Path, name: str = "metrics.jsonl") -> list[dict]:
+    return [json.loads(line) for line in (run / name).read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def nan_run(tmp_path_factory) -> tuple[Path, dict]:
+    """A run whose examples 130-139 have NaN features, with layer norms every step; and the plain-torch reference."""
+    run = tmp_path_factory.mktemp("own") / "run"
+    own_loop.train(run, STEPS, data=Examples(nan=NAN), layers=True, layers_every=1, log_every=5)
+    return run, own_loop.reference(STEPS, data=Examples(nan=NAN))
+
+
+def test_the_run_adds_at_most_15_lines_to_the_loop():
+    added = [line for line in inspect.getsource(own_loop.train).splitlines() if line.rstrip().endswith("# +run")]
+    assert 0 < len(added) <= 15
+
+
+def test_refused_steps_are_those_holding_a_planted_example(nan_run):
+    run, ref = nan_run
+    sampler = GlobalSampler(N, batch_size=MICRO, accumulation_steps=ACCUM, seed=3)
+    expected = [s + 1 for s in range(STEPS) if set(sampler.indices(s)) & set(NAN)]
+    rows = _rows(run)
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))  # every step once
+    assert expected and [r["step"] for r in rows if r["skipped"]] == expected
+    ledger = {r["step"] for r in _rows(run, "nonfinite.jsonl")}
+    assert sorted(ledger) == expected
+    for row, loss in zip(rows, ref["loss"], strict=True):  # the Run changes nothing in the training
+        assert (row["loss"] is None) == (not math.isfinite(loss))
+        if row["loss"] is not None:
+            assert row["loss"] == pytest.approx(loss, rel=1e-5)
+
+
+def test_nan_report_names_the_planted_shard(nan_run, cli):
+    run, _ = nan_run
+    res = cli("nan", "report", str(run), "--json")
+    assert res.returncode == 0, res.stderr
+    rep = json.loads(res.stdout)
+    assert rep["verdict"] == "shard-selective"
+    assert rep["suspect_shards"] == [NAN[0] // SHARD]
+
+
+def test_exposure_counts_every_example_trained_on(nan_run):
+    run, _ = nan_run
+    sampler = GlobalSampler(N, batch_size=MICRO, accumulation_steps=ACCUM, seed=3)
+    seen = torch.tensor([i for s in range(STEPS) for i in sampler.indices(s)])
+    expected = {str(k): int(v) for k, v in enumerate(torch.bincount(seen // SHARD).tolist()) if v}
+    assert json.loads((run / "exposure.json").read_text()) == expected
+
+
+def test_layer_norms_equal_a_hand_computation(nan_run, cli):
+    run, ref = nan_run
+    rows = _rows(run, "layers.jsonl")
+    for step in (2, 7, STEPS):
+        if ref["grad"][step - 1]["0"] != ref["grad"][step - 1]["0"]:  # a refused step: nothing to compare
+            continue
+        got = {r["layer"]: r for r in rows if r["step"] == step}
+        assert set(got) == {"0", "3"}
+        for layer in ("0", "3"):
+            assert got[layer]["grad_norm"] == pytest.approx(ref["grad"][step - 1][layer], rel=1e-5)
+            assert got[layer]["param_norm"] == pytest.approx(ref["param"][step - 1][layer], rel=1e-5)
+    res = cli("layers", str(run))
+    assert res.returncode == 0, res.stderr
+
+
+def test_the_report_draws_its_plots_and_summary(nan_run):
+    run, _ = nan_run
+    for name in ("loss", "lr", "grad_norm", "layers"):
+        assert (run / "plots" / f"{name}.png").stat().st_size > 1000, name
+    summary = (run / "summary.md").read_text()
+    assert f"optimizer steps | {STEPS}" in summary or f"{STEPS} of" in summary
+    assert "shard-selective" in summary
+
+
+def test_run_log_keys_join_their_step_row(nan_run):
+    run, _ = nan_run
+    rows = _rows(run)
+    assert [r["examples"] for r in rows] == [s * MICRO * ACCUM for s in range(1, STEPS + 1)]
+
+
+def test_records_say_what_wrote_the_run(nan_run):
+    run, _ = nan_run
+    assert json.loads((run / "loop.json").read_text())["shard_size"] == SHARD
+    plan = json.loads((run / "plan.json").read_text())
+    assert (plan["micro_batch_size"], plan["accumulation_steps"], plan["world_size"]) == (MICRO, ACCUM, 1)
+    assert plan["global_batch_size"] == MICRO * ACCUM
+    assert "lr: 0.01" in (run / "config.yaml").read_text()
+    assert json.loads((run / "env.json").read_text())["image"]["python"]
+
+
+def test_a_planted_spike_is_named_by_spikes_report(tmp_path, cli):
+    spiky = range(300, 360)  # shard 5; in order (no shuffle) its examples are the global batches of steps 19-23
+    run = tmp_path / "spiky"
+    own_loop.train(run, 28, data=Examples(spike=spiky), shuffle=False, spike={"policy": "warn", "window": 8})
+    sampler = GlobalSampler(N, batch_size=MICRO, accumulation_steps=ACCUM, seed=3, shuffle=False)
+    planted = {s + 1 for s in range(28) if set(sampler.indices(s)) & set(spiky)}
+    flagged = {r["step"] for r in _rows(run) if r.get("spike")}
+    assert flagged and flagged <= planted
+    res = cli("spikes", "report", str(run), "--json")
+    assert res.returncode == 0, res.stderr
+    rep = json.loads(res.stdout)
+    assert rep["verdict"] == "shard-selective"
+    assert rep["suspect_shards"] == [spiky[0] // SHARD]
