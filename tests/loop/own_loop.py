@@ -38,27 +38,37 @@ class Examples(torch.utils.data.Dataset):
         return self.x[i], self.y[i], i
 
 
-def model_and_optimizer(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
+def model_and_optimizer(seed: int = 0, dropout: float = 0.1) -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(DIM, 16), nn.Tanh(), nn.Dropout(0.1), nn.Linear(16, 1))
+    model = nn.Sequential(nn.Linear(DIM, 16), nn.Tanh(), nn.Dropout(dropout), nn.Linear(16, 1))
     return model, torch.optim.AdamW(model.parameters(), lr=LR)
 
 
 def train(run_dir: Path, steps: int, *, data: Examples, shuffle: bool = True, resume: bool = False,
-          kill_at: int | None = None, **run_settings) -> nn.Module:  # fmt: skip
-    """The user's loop with the Run (rank and world from the process group, when there is one)."""
+          kill_at: int | None = None, dropout: float = 0.1, fsdp: bool = False,
+          **run_settings) -> nn.Module:  # fmt: skip
+    """The user's loop with the Run (rank and world from the process group, when there is one); ``dropout`` 0: the
+    same computation on any number of ranks (each rank's dropout draws from its own stream); ``fsdp``: FSDP2, not
+    DDP, on more than one rank."""
     from steadytrain import Run  # +run
     from steadytrain.accumulate import GradientAccumulator
     from steadytrain.data import GlobalSampler
 
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    model, opt = model_and_optimizer()
-    if world > 1:
+    model, opt = model_and_optimizer(dropout=dropout)
+    if world > 1 and fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        model = fully_shard(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=LR)  # over the sharded parameters
+    elif world > 1:
         model = nn.parallel.DistributedDataParallel(model)
     acc = GradientAccumulator(model, opt, accumulation_steps=ACCUM // world or 1, max_grad_norm=CLIP)
     sampler = GlobalSampler(N, batch_size=MICRO, accumulation_steps=ACCUM // world or 1, rank=rank,
                             world_size=world, seed=3, shuffle=shuffle)  # fmt: skip
-    loader = torch.utils.data.DataLoader(data, batch_sampler=sampler)
+    # its own generator: a DataLoader draws a seed from torch's global one each time it starts iterating, which
+    # would shift a resumed run's random streams (dropout) by one draw
+    loader = torch.utils.data.DataLoader(data, batch_sampler=sampler, generator=torch.Generator())
     with Run(
         run_dir,
         model=model,
@@ -115,3 +125,44 @@ def reference(steps: int, *, data: Examples, shuffle: bool = True) -> dict:
         out["loss"].append(sum(losses) / ACCUM)
     out["weights"] = {k: v.clone() for k, v in model.state_dict().items()}
     return out
+
+
+def nanogpt_style(run_dir: Path, steps: int, *, resume: bool = False, kill_at: int | None = None) -> nn.Module:
+    """nanoGPT's way: random batches drawn from torch's generator each micro-batch (no sampler), the Run's own
+    accumulator; the random offsets are the example ids."""
+    from steadytrain import Run
+
+    data = Examples()
+    model, opt = model_and_optimizer()
+    with Run(run_dir, model=model, optimizer=opt, accumulation_steps=ACCUM, max_grad_norm=CLIP, resume=resume,
+             shard_size=SHARD, report=False) as run:  # fmt: skip
+        for step in range(run.start_step + 1, steps + 1):
+            for _ in range(ACCUM):
+                ix = torch.randint(N, (MICRO,))
+                with run.micro_batch(ix) as mb:
+                    mb.backward((model(data.x[ix]) - data.y[ix]).pow(2).mean())
+            if step % 4 == 0:
+                run.checkpoint(step)
+            if step == kill_at:
+                os.kill(os.getpid(), signal.SIGKILL)
+    return model
+
+
+def main(argv: list[str]) -> None:
+    """``python -m tests.loop.own_loop KIND RUN STEPS [resume] [kill=S]``: one run in a process of its own, its final
+    weights saved to ``RUN.pt`` (``KIND``: ``own`` or ``nanogpt``)."""
+    kind, run, steps, *rest = argv
+    resume = "resume" in rest
+    kill = next((int(a[5:]) for a in rest if a.startswith("kill=")), None)
+    torch.set_num_threads(1)
+    if kind == "own":
+        model = train(Path(run), int(steps), data=Examples(), resume=resume, kill_at=kill, report=False)
+    else:
+        model = nanogpt_style(Path(run), int(steps), resume=resume, kill_at=kill)
+    torch.save(model.state_dict(), f"{run}.pt")
+
+
+if __name__ == "__main__":
+    import sys
+
+    main(sys.argv[1:])
