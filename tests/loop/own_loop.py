@@ -106,7 +106,7 @@ def reference(steps: int, *, data: Examples, shuffle: bool = True) -> dict:
     model, opt = model_and_optimizer()
     sampler = GlobalSampler(N, batch_size=MICRO, accumulation_steps=ACCUM, seed=3, shuffle=shuffle)
     out: dict = {"loss": [], "grad": [], "param": []}
-    batches = iter(torch.utils.data.DataLoader(data, batch_sampler=sampler))
+    batches = iter(torch.utils.data.DataLoader(data, batch_sampler=sampler, generator=torch.Generator()))
     for _ in range(steps):
         losses = []
         for _k in range(ACCUM):

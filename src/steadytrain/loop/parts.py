@@ -30,6 +30,7 @@ from steadytrain.train.job.restore import Restorable, restore_checkpoint
 from steadytrain.train.job.resume import record_resume
 from steadytrain.train.job.spikes import SpikeGuard
 from steadytrain.train.job.state import TrainState
+from steadytrain.train.observe.callbacks import Callbacks, load_callbacks
 from steadytrain.train.observe.layers import LayerMonitor
 from steadytrain.train.observe.metrics import MetricsLog, Progress
 from steadytrain.train.observe.trackers import end_run, open_trackers
@@ -58,6 +59,7 @@ class LoopParts:
     writer: CheckpointWriter
     beat: Beat
     watchdog: Watchdog | None
+    callbacks: Callbacks
     plan_pending: bool = True
     """``plan.json`` does not have the micro-batch size yet (written at the first step's end)."""
     micro: int | None = None
@@ -140,7 +142,7 @@ def build_parts(run: Run, info: DistInfo, opened: Opened) -> LoopParts:
     metrics = _metrics(run, info, rd, state, spikes)
     beat = Beat(state.step)
     parts = LoopParts(info, rd, Origin(s.model_factory, s.dataset, s.shard_size), opened.lock, state, spikes,
-                      metrics, writer, beat, None)  # fmt: skip
+                      metrics, writer, beat, None, load_callbacks(s.callbacks, "Run(callbacks)"))  # fmt: skip
     parts.watchdog = start_watchdog(s.watchdog_s, info, rd.path, beat)
     return parts
 
@@ -189,7 +191,7 @@ def close_parts(run: Run, p: LoopParts, failed: BaseException | None) -> None:
         if p.watchdog is not None:
             p.watchdog.stop()
         if clean or p.info.backend is None:  # the collectives only when every rank gets here
-            run._flush(p.metrics)
+            p.metrics.flush()
             write_exposure(p.run, p.info, p.state, None)
         with contextlib.suppress(CheckpointFailed):
             p.writer.wait() if clean else None

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -40,18 +39,11 @@ from steadytrain.loop.parts import LoopParts, build_parts, close_parts, run_info
 from steadytrain.loop.settings import RunSettings
 from steadytrain.train.checkpoint.writer import CheckpointFailed
 from steadytrain.train.job.records import record_nonfinite, write_exposure
-from steadytrain.train.observe.metrics import MetricsLog
+from steadytrain.train.observe.metrics import plain_value
 
 __all__ = ["Run"]
 
 log = logging.getLogger("steadytrain.loop")
-
-RESERVED = frozenset(
-    {"step", "loss", "lr", "grad_norm", "clipped", "skipped", "items", "items_per_s", "step_s", "elapsed_s", "spike",
-     "checkpoint_s", "tokens_per_s", "flops_per_s", "mfu", "peak_mem_mb", "rollback", "rollback_to",
-     "skipped_batches", "val_nonfinite", "early_stop", "val_time_s"}
-)  # fmt: skip
-"""Keys of a ``metrics.jsonl`` row the Run measures itself (``run.log`` refuses them)."""
 
 
 class Run:
@@ -107,7 +99,6 @@ class Run:
         self._loss: torch.Tensor | None = None
         self._micros = 0
         self._lr = 0.0
-        self._extra: dict[int, dict[str, Any]] = {}
 
     def _accumulator(
         self, model: Any, optimizer: Any, scheduler: Any, acc: GradientAccumulator | None
@@ -165,6 +156,14 @@ class Run:
             return
         self._closed = True
         close_parts(self, self._parts, failed)
+
+    @property
+    def rank(self) -> int:
+        return self.parts.info.rank
+
+    @property
+    def is_main(self) -> bool:
+        return self.parts.info.is_main
 
     # -- the loop's calls ------------------------------------------------------------------------------------------
     @property
@@ -226,7 +225,7 @@ class Run:
         spike = event is not None and event.reason == SPIKE
         p.spikes.end_step(self.step, self.accumulator, result.grad_norm, self.step - 1)
         if len(p.metrics._pending) >= self.settings.log_every:  # rows of earlier steps: their run.log calls are in
-            self._flush(p.metrics)
+            p.metrics.flush()
         p.metrics.add(self.step, loss, self._lr, result.grad_norm, not result.stepped, spike)
         if spike:
             p.spikes.record(self.step, event, p.spikes.limits, self.step - 1, action="skip")
@@ -238,39 +237,25 @@ class Run:
             p.state.consecutive_skips = 0
         if p.plan_pending:
             p.write_plan(self)
-
-    def _flush(self, metrics: MetricsLog) -> None:
-        """Write the pending rows with the keys ``run.log`` added to them."""
-        metrics.extra = self._extra
-        metrics.flush()
-        self._extra = {}
+        p.callbacks.call("on_step_end", self)
 
     def log(self, step: int, **metrics: Any) -> None:
-        """Add your keys to step ``step``'s ``metrics.jsonl`` row (the step the loop ended last; the Run measures
+        """Add your keys to step ``step``'s ``metrics.jsonl`` row (a step ended and not yet written; the Run measures
         loss, lr and grad_norm itself). ``val_loss`` (with ``val_items``) makes an evaluation row instead."""
         p = self.parts
-        if isinstance(step, bool) or not isinstance(step, int) or not 1 <= step <= self.step:
-            raise UserError(f"run.log(step={step!r}): give the number of a step the loop has ended (1 to {self.step})")
         if "val_loss" in metrics:
             self._eval_row(p, step, metrics)
             return
-        pending = {r.step for r in p.metrics._pending}
-        if step not in pending:
-            raise UserError(
-                f"run.log(step={step}): that step's row is written already; log a step's keys before the next "
-                f"{self.settings.log_every} steps end (Run(log_every=...))"
-            )
-        for key, value in metrics.items():
-            if key in RESERVED:
-                raise UserError(f"run.log({key}=...): the Run measures {key} itself; log yours under another name")
-            self._extra.setdefault(step, {})[key] = _plain(key, value)
+        p.metrics.add_keys(step, metrics, self.step)
 
     def _eval_row(self, p: LoopParts, step: int, metrics: dict[str, Any]) -> None:
-        row = {"step": step, "val_loss": _plain("val_loss", metrics.pop("val_loss"))}
-        row["val_items"] = _plain("val_items", metrics.pop("val_items", 0))
-        row |= {k: _plain(k, v) for k, v in metrics.items()}
-        self._flush(p.metrics)
+        if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= self.step:
+            raise UserError(f"run.log(step={step!r}): an evaluation after a step the loop has ended (0 to {self.step})")
+        row = {"step": step, "val_loss": plain_value("val_loss", metrics.pop("val_loss"))}
+        row["val_items"] = plain_value("val_items", metrics.pop("val_items", 0))
+        row |= {k: plain_value(k, v) for k, v in metrics.items()}
         p.metrics.add_eval(row)
+        p.callbacks.call("on_evaluate", self, row)
 
     def checkpoint(self, step: int | None = None) -> None:
         """Save the state after step ``step`` (the last ended; a collective: every rank calls it): model, optimizer,
@@ -289,11 +274,12 @@ class Run:
         p.beat.enter("checkpoint")
         try:
             with p.metrics.aside("checkpoint"):
-                self._flush(p.metrics)
+                p.metrics.flush()
                 exposure = write_exposure(p.run, p.info, p.state, None)
                 train = p.state.state_dict(elapsed_s=p.metrics.elapsed(), exposure=exposure)
                 with contextlib.suppress(CheckpointFailed):  # logged with its step; the previous stays the latest
                     p.writer.save(step, self.model, self.optimizer, train, frozenset())
+            p.callbacks.call("on_checkpoint", self, step)
         finally:
             p.beat.enter("data")
 
@@ -319,16 +305,3 @@ class _Micro:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._mb, name)
-
-
-def _plain(key: str, value: Any) -> Any:
-    """A metric as ``metrics.jsonl`` holds it: a Python number, string or flag (a 0-dim tensor is read)."""
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1:
-            raise UserError(f"run.log({key}=tensor of shape {tuple(value.shape)}): give one number")
-        value = value.item()  # host read: the caller asked to log it
-    if isinstance(value, bool | int | float | str) or value is None:
-        if isinstance(value, float) and not math.isfinite(value):
-            return None  # a non-finite value is written as null, as the Run's own are
-        return value
-    raise UserError(f"run.log({key}={type(value).__name__}): give a number or a string")

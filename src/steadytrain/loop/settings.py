@@ -59,6 +59,9 @@ class RunSettings:
     """Write ``summary.md`` and ``plots/`` at close."""
     keep_last: int = 3
     async_checkpoint: bool = True
+    callbacks: tuple[Any, ...] = ()
+    """Objects (or ``package.module:factory`` specs) with ``on_step_end(run)``, ``on_evaluate(run, row)``,
+    ``on_checkpoint(run, step)`` (see :mod:`steadytrain.train.observe.callbacks`)."""
 
     @classmethod
     def build(cls, given: dict[str, Any]) -> RunSettings:

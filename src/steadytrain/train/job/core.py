@@ -22,6 +22,7 @@ from steadytrain.train.job.evaluate import Validation
 from steadytrain.train.job.spikes import SpikeGuard
 from steadytrain.train.job.state import TrainState
 from steadytrain.train.job.stop import StopRequest
+from steadytrain.train.observe.callbacks import Callbacks
 from steadytrain.train.observe.metrics import MetricsLog
 from steadytrain.train.observe.watchdog import Beat, Watchdog
 from steadytrain.train.setup.config import TrainConfig
@@ -112,6 +113,10 @@ class Job:
     """Every rank's hostname, on rank 0 (from the environment gather at start); None on other ranks."""
     sources: SourceMap | None = None
     """A mixture's sources (``data.sources``), as ``sources.json`` holds them; None: one dataset."""
+    callbacks: Callbacks | None = None
+    """``run.callbacks``, loaded before the first step (None: none)."""
+    view: Any = None
+    """The job as its callbacks see it (:class:`~steadytrain.train.job.hooks.JobRun`)."""
 
     @property
     def compile_s(self) -> float | None:

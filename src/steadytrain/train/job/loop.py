@@ -33,6 +33,7 @@ from steadytrain.train.job.core import Interrupted, Job, TrainingStopped
 from steadytrain.train.job.ending import end_job
 from steadytrain.train.job.evaluate import Validation, precision_context
 from steadytrain.train.job.files import ResumeRecord
+from steadytrain.train.job.hooks import JobRun, call
 from steadytrain.train.job.parity import check_parity, parity_due
 from steadytrain.train.job.ranks import record_rank_times
 from steadytrain.train.job.records import record_nonfinite, write_exposure
@@ -49,6 +50,7 @@ from steadytrain.train.job.spikes import SpikeGuard
 from steadytrain.train.job.state import TrainState
 from steadytrain.train.job.stop import StopRequest
 from steadytrain.train.job.validate import build_validation, start_validation, validate
+from steadytrain.train.observe.callbacks import load_callbacks
 from steadytrain.train.observe.profiling import StepProfiler
 from steadytrain.train.observe.throughput import for_run
 from steadytrain.train.observe.watchdog import Beat, start_watchdog
@@ -114,6 +116,7 @@ def _build(cfg: TrainConfig, info: DistInfo, where: _Where, signals: contextlib.
     p = build_pieces(cfg, info)
     info = p.info  # with its layout: a mesh's tensor-parallel ranks read the same micro-batches
     manifest = runfiles.check_environment(cfg, info)  # before anything is written: a refusal leaves no run dir
+    callbacks = load_callbacks(cfg.run.callbacks or ())  # the user's code imported before any file too
     if where.auto_resume:  # rank 0 looks at the run directory; every rank gets its decision
         path = where.run_dir or Path(cfg.run.dir) / cfg.run.name
         found = restart.auto_resume(info, path)
@@ -155,6 +158,7 @@ def _build(cfg: TrainConfig, info: DistInfo, where: _Where, signals: contextlib.
         stop_after=where.stop_after, beat=Beat(state.step), hosts=hosts, sources=p.sources,
     )  # fmt: skip
     job.watchdog = start_watchdog(cfg.distributed.watchdog_s, info, run.path, job.beat)
+    job.callbacks, job.view = callbacks, JobRun(job)
     if spikes.decides:  # the flag is read with the gradient norm, in the step's one host read
         p.acc.veto = lambda norm: spikes.veto(job.state.step + 1, job.step.loss / job.step.micros, norm)
     return job
@@ -341,6 +345,7 @@ def _after_step(job: Job, result: Any, loss: torch.Tensor) -> str | None:
         # (examples seen per shard) is on disk with each event, and survives a kill.
         _exposure(job)
     cfg = job.cfg
+    call(job, "on_step_end")  # before the row is written: the callback's run.log keys join it
     if job.state.step % cfg.run.log_every == 0:
         job.metrics.flush()  # an all-reduce on every rank at the same step: the logged loss is the global batch's
         record_rank_times(job)  # one small all-gather at the same step: each rank's time per phase (ranks.jsonl)
@@ -397,3 +402,4 @@ def _checkpoint(job: Job) -> None:
         keep |= keep_for_rollback(job)
         with contextlib.suppress(CheckpointFailed):  # logged with its step; the previous one stays the latest
             job.writer.save(job.state.step, job.model, job.optimizer, train, frozenset(keep - {None}))
+    call(job, "on_checkpoint", job.state.step)

@@ -9,6 +9,7 @@ from typing import Any
 from steadytrain.train.job.cadence import AUTO, AutoCadence
 from steadytrain.train.job.core import Job
 from steadytrain.train.job.evaluate import Validation, evaluate
+from steadytrain.train.job.hooks import call
 from steadytrain.train.setup.config import TrainConfig
 
 __all__ = ["build_validation", "start_validation", "validate"]
@@ -45,6 +46,7 @@ def validate(job: Job) -> bool:
         row = result.row(job.state.step) | {"val_time_s": round(eval_s, 3)}
         improved, stop = job.validation.record(result, job.state.step)
         job.metrics.add_eval(row | ({"early_stop": True} if stop else {}))  # the reason, for report
+    call(job, "on_evaluate", row)
     auto = job.validation.auto
     if auto is not None and (change := auto.measured(job.state.step, eval_s, job.info)) and job.info.is_main:
         log.info("%s", change)  # once per run, at the first evaluation: a longer cadence from here

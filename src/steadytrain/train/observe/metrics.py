@@ -22,14 +22,37 @@ import torch
 import torch.distributed as dist
 
 from steadytrain._io import append_jsonl
+from steadytrain.errors import UserError
 from steadytrain.rundir.layout import RunDir
 from steadytrain.train.observe.layers import tracker_fields
 from steadytrain.train.observe.throughput import peak_mem_mb
 from steadytrain.train.setup.distributed import DistInfo
 
-__all__ = ["MetricsLog"]
+__all__ = ["MEASURED", "MetricsLog", "plain_value"]
 
 log = logging.getLogger("steadytrain.train")
+
+
+MEASURED = frozenset(
+    {"step", "loss", "lr", "grad_norm", "clipped", "skipped", "items", "items_per_s", "step_s", "elapsed_s", "spike",
+     "checkpoint_s", "tokens_per_s", "flops_per_s", "mfu", "peak_mem_mb", "rollback", "rollback_to",
+     "skipped_batches", "val_loss", "val_items", "val_nonfinite", "early_stop", "val_time_s"}
+)  # fmt: skip
+"""Keys of a ``metrics.jsonl`` row the run measures itself (``run.log`` refuses them)."""
+
+
+def plain_value(key: str, value: Any) -> Any:
+    """A logged value as ``metrics.jsonl`` holds it: a number, text, a flag or null (a one-element tensor is read;
+    a non-finite number is written as null, as the run's own are)."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise UserError(f"run.log({key}=tensor of shape {tuple(value.shape)}): give one number")
+        value = value.item()  # host read: the caller asked to log it
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, bool | int | float | str) or value is None:
+        return value
+    raise UserError(f"run.log({key}={type(value).__name__}): give a number, a string, a flag or None")
 
 
 def _finite_or_none(x: float | None) -> float | None:
@@ -86,7 +109,22 @@ class MetricsLog:
     ``mfu`` (the known ones, from ``items_per_s``) and ``peak_mem_mb`` (read once per flush: no device sync)."""
 
     extra: dict[int, dict[str, Any]] = field(default_factory=dict)
-    """Keys an own loop adds to a step's row (``run.log``), by step: merged into the row when it is written."""
+    """Keys a loop or a callback adds to a step's row (:meth:`add_keys`), by step: merged into it when written."""
+
+    def add_keys(self, step: int, keys: dict[str, Any], last: int) -> None:
+        """``run.log(step, **keys)``: the keys join step ``step``'s row (``last``: the step ended last), which must
+        not be written yet; the keys the run measures itself are refused."""
+        if isinstance(step, bool) or not isinstance(step, int) or not 1 <= step <= last:
+            raise UserError(f"run.log(step={step!r}): give the number of a step the loop has ended (1 to {last})")
+        if step not in {p.step for p in self._pending}:
+            raise UserError(
+                f"run.log(step={step}): that step's row is written already; log a step's keys before its row is "
+                "written (at the next logging interval or checkpoint)"
+            )
+        for key, value in keys.items():
+            if key in MEASURED:
+                raise UserError(f"run.log({key}=...): the run measures {key} itself; log yours under another name")
+            self.extra.setdefault(step, {})[key] = plain_value(key, value)
 
     def add(
         self, step: int, loss: torch.Tensor, lr: float, grad_norm: float, skipped: bool, spike: bool = False

@@ -223,6 +223,10 @@ class RunConfig(Section):
     trackers: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(default_factory=lambda: ["tensorboard"])
     """Experiment trackers rank 0 mirrors ``metrics.jsonl``, the config and the environment to (``[]``: none);
     a tracker whose package is missing, or that fails, is one warning and the run goes on (see docs/trackers.md)."""
+    callbacks: list[str] | None = None
+    """Your code at each step end, evaluation and checkpoint: ``[package.module:factory, ...]``, each factory
+    returning an object with ``on_step_end(run)``, ``on_evaluate(run, row)``, ``on_checkpoint(run, step)``
+    (see docs/library.md, "Callbacks")."""
     mlflow_uri: str | None = Field(default=None, min_length=1)
     """``mlflow``'s tracking store: a ``sqlite:``/``file:``/``http(s):`` URI or a path (``*.db``: SQLite, else a
     file-store directory); absent: ``MLFLOW_TRACKING_URI`` when set, else the SQLite store ``RUN/mlflow.db``."""
