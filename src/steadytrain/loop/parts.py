@@ -25,7 +25,7 @@ from steadytrain.loop.opening import Opened, Origin
 from steadytrain.rundir.layout import RunDir
 from steadytrain.train.checkpoint.writer import CheckpointFailed, CheckpointWriter
 from steadytrain.train.job.files import record_environment, truncate_logs
-from steadytrain.train.job.records import write_exposure
+from steadytrain.train.job.records import write_exposure, write_nonfinite_report
 from steadytrain.train.job.restore import Restorable, restore_checkpoint
 from steadytrain.train.job.resume import record_resume
 from steadytrain.train.job.spikes import SpikeGuard
@@ -208,18 +208,11 @@ def close_parts(run: Run, p: LoopParts, failed: BaseException | None) -> None:
 
 
 def _nonfinite_report(p: LoopParts) -> None:
-    """``nonfinite_report.json`` beside the ledger, as the trainer writes it (the report reads its sentence)."""
-    from steadytrain.diagnose import report
-
-    if not p.run.nonfinite.is_file():
-        return
+    """``nonfinite_report.json``, as the trainer writes it (a damaged ledger is said, not raised: the run is over)."""
     try:
-        rep = report(p.run.path)
+        write_nonfinite_report(p.run)
     except UserError as err:
         log.warning("%s: no non-finite report: %s", p.run.path, err)
-        return
-    p.run.write_json(p.run.path / "nonfinite_report.json", rep.to_dict())
-    log.warning("non-finite steps: %s", rep.sentence)
 
 
 def _report(run_dir: str, stopped: str | None) -> None:

@@ -306,15 +306,10 @@ def log_start(job: Job) -> None:
 
 
 def _nonfinite_report(job: Job) -> str | None:
-    """Rank 0: the diagnosis of a run that refused steps, written beside the ledger; its sentence."""
-    from steadytrain.diagnose import report
+    """Rank 0: the diagnosis of a run that refused steps (:func:`~.records.write_nonfinite_report`); its sentence."""
+    from steadytrain.train.job.records import write_nonfinite_report
 
-    if not job.acc.skipped_steps or not job.run.nonfinite.exists():
-        return None
-    rep = report(job.run.path)
-    job.run.write_json(job.run.path / "nonfinite_report.json", rep.to_dict())
-    log.warning("non-finite steps: %s", rep.sentence)
-    return rep.sentence
+    return write_nonfinite_report(job.run) if job.acc.skipped_steps else None
 
 
 def finish(job: Job, stopped: str | None) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from steadytrain.rundir.layout import RunDir
 from steadytrain.train.job.state import TrainState
 from steadytrain.train.setup.distributed import DistInfo
 
-__all__ = ["record_nonfinite", "write_exposure"]
+__all__ = ["record_nonfinite", "write_exposure", "write_nonfinite_report"]
 
 log = logging.getLogger("steadytrain.train")
 
@@ -45,3 +45,16 @@ def write_exposure(
         if sources is not None:  # a mixture: what was seen of each source
             run.write_json(run.path / SOURCES_FILE, sources(exposure).to_dict())
     return exposure
+
+
+def write_nonfinite_report(run: RunDir) -> str | None:
+    """Rank 0, at a run's end: the diagnosis of its refused steps as ``nonfinite_report.json`` beside the ledger
+    (the report and ``summary.md`` read its sentence); the sentence, or None when no step was refused."""
+    from steadytrain.diagnose import report
+
+    if not run.nonfinite.is_file():
+        return None
+    rep = report(run.path)
+    run.write_json(run.path / "nonfinite_report.json", rep.to_dict())
+    log.warning("non-finite steps: %s", rep.sentence)
+    return rep.sentence
