@@ -68,3 +68,29 @@ def test_nan_report_on_two_ranks_names_the_shard(runs, cli):
     assert res.returncode == 0, res.stderr
     rep = json.loads(res.stdout)
     assert rep["verdict"] == "shard-selective" and rep["suspect_shards"] == [NAN[0] // SHARD]
+
+
+class _Stall:
+    """Rank 1 stops making progress after step 2 (between steps: in its ``data`` phase)."""
+
+    def on_step_end(self, run):
+        if run.rank == 1 and run.step == 2:
+            import time
+
+            time.sleep(120)
+
+
+def _hanging(rank: int, world_size: int, tmp: Path) -> None:
+    own_loop.train(tmp / "hung", 6, data=Examples(), watchdog_s=2.0, callbacks=[_Stall()], report=False)
+
+
+def test_the_watchdog_names_the_rank_that_stopped(tmp_path, cli):
+    import torch.multiprocessing as mp
+
+    with pytest.raises(mp.ProcessExitedException) as exited:  # every rank exits with the watchdog's code
+        spawn(_hanging, 2, tmp_path)
+    assert exited.value.exit_code == 75
+    res = cli("hangs", str(tmp_path / "hung"), "--json")
+    assert res.returncode == 0, res.stderr
+    (hang,) = json.loads(res.stdout)
+    assert hang["stuck_ranks"] == [1] and hang["phase"] == "data" and hang["step"] == 3
