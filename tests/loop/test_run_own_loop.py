@@ -124,3 +124,28 @@ def test_a_planted_spike_is_named_by_spikes_report(tmp_path, cli):
     rep = json.loads(res.stdout)
     assert rep["verdict"] == "shard-selective"
     assert rep["suspect_shards"] == [spiky[0] // SHARD]
+
+
+class _Weights:
+    """The model's parameters at each step end."""
+
+    def __init__(self) -> None:
+        self.at: dict[int, list[torch.Tensor]] = {}
+
+    def on_step_end(self, run) -> None:
+        self.at[run.step] = [p.detach().clone() for p in run.model.parameters()]
+
+
+def test_spike_skip_refuses_the_update_on_the_spiking_steps(tmp_path):
+    spiky = range(300, 360)
+    run, seen = tmp_path / "skip", _Weights()
+    own_loop.train(run, 28, data=Examples(spike=spiky), shuffle=False, spike={"policy": "skip", "window": 8},
+                   callbacks=[seen])  # fmt: skip
+    rows = _rows(run)
+    flagged = [r["step"] for r in rows if r.get("spike")]
+    assert flagged and all(r["skipped"] for r in rows if r.get("spike"))
+    records = _rows(run, "spikes.jsonl")
+    assert sorted({r["step"] for r in records}) == flagged and {r["action"] for r in records} == {"skip"}
+    for step in range(2, 29):  # a refused step leaves every weight as it was; any other step changes them
+        same = all(torch.equal(a, b) for a, b in zip(seen.at[step - 1], seen.at[step], strict=True))
+        assert same == (step in flagged), step
