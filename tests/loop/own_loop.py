@@ -19,6 +19,8 @@ from torch import nn
 
 N, DIM, MICRO, ACCUM, SHARD, LR, CLIP = 480, 8, 8, 2, 60, 1e-2, 1.0
 """Examples, features, micro-batch, accumulation, the Run's shard size, learning rate, clip norm."""
+NAN = range(130, 140)
+"""The examples :func:`planted_examples` makes non-finite (shard 2)."""
 
 
 class Examples(torch.utils.data.Dataset):
@@ -38,9 +40,40 @@ class Examples(torch.utils.data.Dataset):
         return self.x[i], self.y[i], i
 
 
+class Regressor(nn.Sequential):
+    """The user's model: features to a prediction; given a batch dict (a replay's), its per-example losses (the
+    contract ``nan hunt`` replays a model factory's model with)."""
+
+    def forward(self, x):
+        if isinstance(x, dict):
+            return (super().forward(x["x"]) - x["y"]).pow(2).mean(1)
+        return super().forward(x)
+
+
+def build_model() -> nn.Module:
+    """The model factory a Run records (``tests.loop.own_loop:build_model``)."""
+    return Regressor(nn.Linear(DIM, 16), nn.Tanh(), nn.Dropout(0.1), nn.Linear(16, 1))
+
+
+def planted_examples() -> torch.utils.data.Dataset:
+    """The dataset factory a Run records: :class:`Examples` with ``NAN`` planted, its items as dicts."""
+
+    class Items(torch.utils.data.Dataset):
+        def __init__(self) -> None:
+            self.data = Examples(nan=NAN)
+
+        def __len__(self) -> int:
+            return N
+
+        def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+            return {"x": self.data.x[i], "y": self.data.y[i]}
+
+    return Items()
+
+
 def model_and_optimizer(seed: int = 0, dropout: float = 0.1) -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(DIM, 16), nn.Tanh(), nn.Dropout(dropout), nn.Linear(16, 1))
+    model = Regressor(nn.Linear(DIM, 16), nn.Tanh(), nn.Dropout(dropout), nn.Linear(16, 1))
     return model, torch.optim.AdamW(model.parameters(), lr=LR)
 
 

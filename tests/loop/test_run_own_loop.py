@@ -30,7 +30,17 @@ def _rows(run: Path, name: str = "metrics.jsonl") -> list[dict]:
 def nan_run(tmp_path_factory) -> tuple[Path, dict]:
     """A run whose examples 130-139 have NaN features, with layer norms every step; and the plain-torch reference."""
     run = tmp_path_factory.mktemp("own") / "run"
-    own_loop.train(run, STEPS, data=Examples(nan=NAN), layers=True, layers_every=1, log_every=5)
+    own_loop.train(
+        run,
+        STEPS,
+        data=Examples(nan=NAN),
+        layers=True,
+        layers_every=1,
+        log_every=5,
+        model_factory="tests.loop.own_loop:build_model",
+        dataset="tests.loop.own_loop:planted_examples",
+        keep_last=10,  # the checkpoints before the refused steps stay, for the replays
+    )
     return run, own_loop.reference(STEPS, data=Examples(nan=NAN))
 
 
@@ -149,3 +159,27 @@ def test_spike_skip_refuses_the_update_on_the_spiking_steps(tmp_path):
     for step in range(2, 29):  # a refused step leaves every weight as it was; any other step changes them
         same = all(torch.equal(a, b) for a, b in zip(seen.at[step - 1], seen.at[step], strict=True))
         assert same == (step in flagged), step
+
+
+def test_nan_hunt_replays_a_refused_step_with_the_recorded_model_and_dataset(nan_run, cli):
+    run, _ = nan_run
+    sampler = GlobalSampler(N, batch_size=MICRO, accumulation_steps=ACCUM, seed=3)
+    refused = [s + 1 for s in range(STEPS) if set(sampler.indices(s)) & set(NAN)]
+    step = next(s for s in refused if s > 4)  # a checkpoint (every 4 steps) precedes it
+    res = cli("nan", "hunt", str(run), "--step", str(step), "--json")
+    assert res.returncode == 0, res.stderr
+    found = json.loads(res.stdout)
+    planted = sorted(set(sampler.indices(step - 1)) & set(NAN))
+    assert found["bad"] == [[i // SHARD, i % SHARD] for i in planted]
+    assert found["first_module"] == "0" and found["stage"] == "forward" and found["reproduced"] is True
+    assert found["checkpoint_step"] == (step - 1) // 4 * 4
+
+
+def test_nan_hunt_replays_a_whole_shard(nan_run, cli):
+    run, _ = nan_run
+    res = cli("nan", "hunt", str(run), "--shard", "2", "--json")
+    assert res.returncode == 0, res.stderr
+    found = json.loads(res.stdout)
+    assert found["examples"] == [i - 2 * SHARD for i in NAN] and found["examples_checked"] == SHARD
+    res = cli("nan", "hunt", str(run), "--shard", "1", "--json")  # a clean shard: nothing found
+    assert res.returncode == 0 and json.loads(res.stdout)["bad"] == []

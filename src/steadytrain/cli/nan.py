@@ -89,11 +89,16 @@ def report_cmd(run: str, as_json: bool) -> None:
 def hunt_cmd(run: str, shard: int | None, checkpoint: str | None, step: int | None, as_json: bool) -> None:
     """Replay one shard (or one step) of RUN in this process: module, examples, fields, provenance."""
     from steadytrain.diagnose import hunt
-    from steadytrain.rundir.origin import require_replayable
+    from steadytrain.rundir.origin import read_origin, require_replayable
     from steadytrain.runs.replay import run_model
 
-    require_replayable(Path(run), "nan hunt")  # before the shard checks: an own-loop run cannot be replayed at all
-    found = hunt(Path(run), shard, loader=run_model, checkpoint=checkpoint, step=step)
+    if read_origin(Path(run)) is not None:  # a run of steadytrain.Run: its own model and examples, as recorded
+        from steadytrain.runs.ownreplay import own_loop_hunt
+
+        found = own_loop_hunt(Path(run), shard, step, checkpoint)
+    else:
+        require_replayable(Path(run), "nan hunt")
+        found = hunt(Path(run), shard, loader=run_model, checkpoint=checkpoint, step=step)
     _json(found.to_dict()) if as_json else _print_hunt(found)
 
 

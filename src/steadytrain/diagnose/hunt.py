@@ -38,7 +38,7 @@ from steadytrain.diagnose.outliers import REFERENCE_SHARDS, example_losses, loss
 from steadytrain.diagnose.settings import ReplaySettings
 from steadytrain.errors import UserError
 
-__all__ = ["HuntReport", "Loader", "hunt"]
+__all__ = ["MIN_CHUNK", "HuntReport", "Loader", "hunt", "sweep"]
 
 log = logging.getLogger("steadytrain.diagnose")
 
@@ -161,7 +161,7 @@ def _bisect(bad: Callable[[np.ndarray], bool], rows: np.ndarray, known_bad: bool
     return found
 
 
-def _sweep(
+def sweep(
     model: nn.Module, batch: dict[str, Any], chunk: int, *, bisect_only: bool = False
 ) -> tuple[list[int], str | None, str | None]:
     """Bad row positions, the first module, and the stage (forward, then backward if the forward is clean).
@@ -326,7 +326,7 @@ def _hunt_in(net, settings: ReplaySettings, kind: str, shard, step, chunk, bisec
         report = _report(ds, batch, rows, None, "loss" if len(rows) else None, shard, step, settings, net)
         report.kind, report.limit = "spike", limit
         return report
-    rows, first, stage = _sweep(net, batch, chunk, bisect_only=bisect_only)
+    rows, first, stage = sweep(net, batch, chunk, bisect_only=bisect_only)
     return _report(ds, batch, rows, first, stage, shard, step, settings, net)
 
 

@@ -91,7 +91,7 @@ def read_origin(run_path: Path) -> dict[str, Any] | None:
     return _check(value, path)
 
 
-def require_replayable(run_path: Path, command: str) -> None:
+def require_replayable(run_path: Path, command: str, *, own_loop: bool = False) -> None:
     """Refuse, in one line, a command that would rebuild an own-loop run's model and data from ``config.yaml``.
 
     A trainer run (no ``loop.json``) passes untouched. An own-loop run is refused: without a recorded model factory
@@ -102,6 +102,7 @@ def require_replayable(run_path: Path, command: str) -> None:
         run_path: the run directory.
         command: the command, as ``steadytrain`` follows it (``"nan hunt"``); a name that starts with
             ``steadytrain`` (a Python function's) is used as it is.
+        own_loop: the command replays an own-loop run that records both (``nan hunt``): it passes then.
 
     Raises:
         UserError: an own-loop run, or a damaged ``loop.json`` (see :func:`read_origin`).
@@ -122,7 +123,10 @@ def require_replayable(run_path: Path, command: str) -> None:
             f'{other}); give Run(..., model_factory="package.module:function", dataset=...) or replay it in your '
             "own code"
         )
+    if own_loop:
+        return
     raise UserError(
-        f"{where}: `{name}` replays runs of `steadytrain train` only for now; the run records its model factory "
-        f"{brief(factory)} and dataset {brief(dataset)}: replay them in your own code"
+        f"{where}: `{name}` replays runs of `steadytrain train` only (an own loop's data order is its own: "
+        f"`steadytrain nan hunt` replays its recorded steps and shards with model factory {brief(factory)} and "
+        f"dataset {brief(dataset)})"
     )
