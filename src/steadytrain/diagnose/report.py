@@ -225,6 +225,11 @@ def _sentence(
     nsteps = len(steps)
     if verdict == "none":
         return f"none: the ledger records no {words['step']}"
+    if verdict == "spread" and not stats:  # a loop of your own that gave its micro-batches no example ids
+        return (
+            f"spread: {nsteps} {words['step']}(s), none attributable to a shard (the ledger names no examples: "
+            "give run.micro_batch(ids) the example ids): look at the learning rate, clipping and precision first"
+        )
     if verdict == "spread":
         best = stats[0] if stats else None
         tail = f"smallest tail p = {best.p_value:.2g} ({_at(best.shard, sources)})" if best else "no shard data"

@@ -14,13 +14,14 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
+from steadytrain._io import brief
 from steadytrain._mapping import flatten
 from steadytrain._text import error_text
 from steadytrain.errors import UserError
+from steadytrain.loop.checks import check_ids
 from steadytrain.loop.opening import Opened, Origin
 from steadytrain.rundir.layout import RunDir
 from steadytrain.train.checkpoint.writer import CheckpointFailed, CheckpointWriter
@@ -101,28 +102,20 @@ def tag_of(ids: Any, tag: Any, shard_size: int) -> dict[str, Any] | None:
     if tag is not None:
         if not isinstance(tag, dict) or not {"shard", "index"} <= tag.keys():
             raise UserError("run.micro_batch(tag=...): give a dict with 'shard' and 'index' (one per example)")
-        shard, index = _ints("tag['shard']", tag["shard"]), _ints("tag['index']", tag["index"])
+        shard, index = check_ids("tag['shard']", tag["shard"]), check_ids("tag['index']", tag["index"])
         if shard.shape != index.shape:
             raise UserError(f"run.micro_batch(tag=...): {len(shard)} shard ids for {len(index)} indices")
-        return {**tag, "shard": shard, "index": index, "losses": tag.get("losses")}
+        losses = tag.get("losses")
+        if losses is not None and not (isinstance(losses, torch.Tensor) and losses.shape == index.shape):
+            raise UserError(
+                f"run.micro_batch(tag={{'losses': {brief(losses)}}}): give a 1-D tensor of one loss per index, or "
+                "leave it out (mb.backward(losses) records them)"
+            )
+        return {**tag, "shard": shard, "index": index, "losses": losses}
     if ids is None:
         return None
-    found = _ints("run.micro_batch(ids)", ids)
+    found = check_ids("run.micro_batch(ids)", ids)
     return {"shard": found // shard_size, "index": found % shard_size, "losses": None}
-
-
-def _ints(name: str, value: Any) -> torch.Tensor:
-    """``value`` as a 1-D int64 host tensor of ids >= 0 (a list, a NumPy array or a tensor of integers)."""
-    try:
-        t = value.detach().cpu() if isinstance(value, torch.Tensor) else torch.as_tensor(np.asarray(value))
-    except (TypeError, ValueError) as err:
-        raise UserError(f"{name}: {error_text(err)}: give integer example ids") from None
-    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
-        raise UserError(f"{name}: {t.dtype} values: give integer example ids")
-    t = t.reshape(-1).to(torch.int64)
-    if t.numel() and int(t.min()) < 0:
-        raise UserError(f"{name}: id {int(t.min())} is negative: give ids >= 0")
-    return t
 
 
 def build_parts(run: Run, info: DistInfo, opened: Opened) -> LoopParts:
@@ -137,6 +130,8 @@ def build_parts(run: Run, info: DistInfo, opened: Opened) -> LoopParts:
     record_environment(info, rd, capture(), resume=opened.checkpoint is not None)  # a gather: every rank
     if opened.checkpoint is not None:
         _restore(run, info, rd, opened, state)
+    elif opened.records is not None:  # a resume without a checkpoint: a fresh start
+        opened.records()
     if spikes.decides:  # the flag is read with the gradient norm, in the step's one host read
         run.accumulator.veto = lambda norm: spikes.veto(run.step + 1, run._loss / max(run._micros, 1), norm)
     metrics = _metrics(run, info, rd, state, spikes)
@@ -153,6 +148,8 @@ def _restore(run: Run, info: DistInfo, rd: RunDir, opened: Opened, state: TrainS
     parts = Restorable(run.model, run.optimizer, run.scheduler, state, None, info, seed)  # type: ignore[arg-type]
     restore_checkpoint(parts, opened.checkpoint)
     if info.is_main:
+        if opened.records is not None:  # the checkpoint fits: the run's records may change now
+            opened.records()
         truncate_logs(rd, state.step, rollbacks=0)
         record_resume(rd, step=state.step, world_size=info.world_size, checkpoint=opened.checkpoint.name,
                       changes=opened.changes)  # fmt: skip

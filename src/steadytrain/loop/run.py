@@ -34,12 +34,12 @@ import torch
 from steadytrain.accumulate import GradientAccumulator
 from steadytrain.accumulate.events import SPIKE
 from steadytrain.errors import UserError
-from steadytrain.loop.opening import Origin, check_config_mapping, open_run
+from steadytrain.loop.checks import check_config_mapping, checkpoint_step, eval_row
+from steadytrain.loop.opening import Origin, open_run
 from steadytrain.loop.parts import LoopParts, build_parts, close_parts, run_info, tag_of
 from steadytrain.loop.settings import RunSettings
 from steadytrain.train.checkpoint.writer import CheckpointFailed
 from steadytrain.train.job.records import record_nonfinite, write_exposure
-from steadytrain.train.observe.metrics import plain_value
 
 __all__ = ["Run"]
 
@@ -99,6 +99,9 @@ class Run:
         self._loss: torch.Tensor | None = None
         self._micros = 0
         self._lr = 0.0
+        self._inside = False  # in a micro_batch block
+        self._pending = False  # a complete cycle the accumulator has not stepped (see _settle)
+        self._last_eval = 0
 
     def _accumulator(
         self, model: Any, optimizer: Any, scheduler: Any, acc: GradientAccumulator | None
@@ -141,7 +144,7 @@ class Run:
             if opened.lock is not None:
                 opened.lock.release()
             raise
-        self.start_step = self.step = self._parts.state.step
+        self.start_step = self.step = self._last_eval = self._parts.state.step  # evaluations up to it are kept
         return self
 
     def __exit__(self, kind: Any, err: Any, tb: Any) -> None:
@@ -185,26 +188,51 @@ class Run:
         ``num_items``: as :meth:`GradientAccumulator.micro_batch`. The step ends with the cycle's last one."""
         p = self.parts
         found = tag_of(ids, tag, p.origin.shard_size)
+        self._settle(p)
         if self._micros == 0:
             self._lr = self.optimizer.param_groups[0]["lr"]
+        p.beat.enter("forward")
+        mb = None
+        try:
+            with self.accumulator.micro_batch(num_items=num_items, tag=found) as mb:
+                self._inside = True
+                try:
+                    yield _Micro(mb, found)
+                finally:
+                    self._inside = False
+                    if mb.loss is not None:  # its gradient is in: counted even if the block raised after backward
+                        self._took(p, mb, found)
+                p.beat.enter("all_reduce")  # the cycle's end: the gradient sync, the norm, the update
+        except BaseException:
+            # the cycle's last backward ran and the block raised: the accumulator steps it at its next micro-batch
+            k = self.accumulator.accumulation_steps
+            self._pending = mb is not None and mb.result is None and self._micros >= k
+            raise
+        p.beat.enter("data")
+        if mb.result is not None:
+            self._end_step(p, mb.result)
+
+    def _took(self, p: LoopParts, mb: Any, found: dict[str, Any] | None) -> None:
+        """A micro-batch whose backward ran: its examples (exposure, the spike record's tags) and loss count."""
         if found is not None:
             p.state.count(found["shard"])
             if p.micro is None:
                 p.micro = len(found["index"])
             if p.spikes.collects:
                 p.spikes.tags.append(found)
-        p.beat.enter("forward")
-        with self.accumulator.micro_batch(num_items=num_items, tag=found) as mb:
-            yield _Micro(mb, found)
-            if mb.loss is not None:  # a body without a backward is the accumulator's error, at the block's end
-                if found is not None and p.spikes.detector is not None:
-                    found["loss"] = mb.loss
-                self._loss = mb.loss if mb.position == 0 or self._loss is None else self._loss + mb.loss
-                self._micros = mb.position + 1
-            p.beat.enter("all_reduce")  # the cycle's end: the gradient sync, the norm, the update
-        p.beat.enter("data")
-        if mb.result is not None:
-            self._end_step(p, mb.result)
+            if p.spikes.detector is not None:
+                found["loss"] = mb.loss
+        self._loss = mb.loss if mb.position == 0 or self._loss is None else self._loss + mb.loss
+        self._micros = mb.position + 1
+
+    def _settle(self, p: LoopParts) -> None:
+        """End the step whose last micro-batch block raised after its backward (the loop caught it and goes on):
+        the accumulator steps that cycle now, and the Run writes its row as for any step."""
+        if self._pending:
+            self._pending = False
+            result = self.accumulator.finish()
+            if result is not None:
+                self._end_step(p, result)
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -249,11 +277,8 @@ class Run:
         p.metrics.add_keys(step, metrics, self.step)
 
     def _eval_row(self, p: LoopParts, step: int, metrics: dict[str, Any]) -> None:
-        if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= self.step:
-            raise UserError(f"run.log(step={step!r}): an evaluation after a step the loop has ended (0 to {self.step})")
-        row = {"step": step, "val_loss": plain_value("val_loss", metrics.pop("val_loss"))}
-        row["val_items"] = plain_value("val_items", metrics.pop("val_items", 0))
-        row |= {k: plain_value(k, v) for k, v in metrics.items()}
+        row = eval_row(step, metrics, self.step, self._last_eval)
+        self._last_eval = step
         p.metrics.add_eval(row)
         p.callbacks.call("on_evaluate", self, row)
 
@@ -263,9 +288,9 @@ class Run:
         random streams, with the trainer's writer (asynchronous, complete or absent). A failed save is logged; the
         previous checkpoint stays the latest."""
         p = self.parts
-        step = self.step if step is None else step
-        if step != self.step:
-            raise UserError(f"run.checkpoint({step!r}): the loop has ended step {self.step}: checkpoint that one")
+        step = checkpoint_step(self.step if step is None else step, self.step)
+        if self._inside:
+            raise UserError(f"run.checkpoint({step}): inside run.micro_batch: checkpoint after the block")
         if self._micros:
             raise UserError(
                 f"run.checkpoint({step}): {self._micros} micro-batch(es) of step {step + 1} are in progress: "

@@ -14,6 +14,8 @@ from steadytrain.train.observe.trackers import TRACKERS
 __all__ = ["RunSettings"]
 
 SPIKE_POLICIES = ("off", "warn", "skip")
+INT64_MAX = 2**63 - 1
+"""The largest shard size and seed: example ids are int64, and a seed seeds torch's int64 generators."""
 
 
 @dataclass(frozen=True)
@@ -74,11 +76,11 @@ class RunSettings:
 
     def check(self) -> None:
         for name in ("accumulation_steps", "shard_size", "log_every", "keep_last"):
-            check_int(f"Run({name})", getattr(self, name), 1)
+            check_int(f"Run({name})", getattr(self, name), 1, maximum=INT64_MAX if name == "shard_size" else None)
         for name in ("layers_every", "total_steps"):
             if getattr(self, name) is not None:
                 check_int(f"Run({name})", getattr(self, name), 1 if name == "layers_every" else 0)
-        check_int("Run(seed)", self.seed, 0)
+        check_int("Run(seed)", self.seed, 0, maximum=INT64_MAX)
         if self.max_grad_norm is not None and not _positive(self.max_grad_norm):
             raise UserError(f"Run(max_grad_norm={self.max_grad_norm!r}): give a finite number > 0, or None")
         if self.watchdog_s is not None and (not _number(self.watchdog_s) or self.watchdog_s < 0):
@@ -88,19 +90,19 @@ class RunSettings:
         for flag in ("layers", "report", "async_checkpoint"):
             if not isinstance(getattr(self, flag), bool):
                 raise UserError(f"Run({flag}={getattr(self, flag)!r}): give True or False")
-        if isinstance(self.trackers, str) or not all(t in TRACKERS for t in self.trackers):
-            raise UserError(f"Run(trackers={self.trackers!r}): give a list of {', '.join(TRACKERS)}")
+        if not isinstance(self.trackers, list | tuple) or not all(t in TRACKERS for t in self.trackers):
+            raise UserError(f"Run(trackers={self.trackers!r}): give a list of {', '.join(TRACKERS)} ([]: none)")
         for name in ("model_factory", "dataset", "mlflow_uri"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value or "\n" in value or "\x00" in value):
                 raise UserError(f"Run({name}={value!r}): give one line of text, or None")
         if self.model_factory is not None and ":" not in self.model_factory:
             raise UserError(f"Run(model_factory={self.model_factory!r}): give package.module:function")
+        if not isinstance(self.state, Mapping) or not all(isinstance(k, str) and k for k in self.state):
+            raise UserError("Run(state=...): give a mapping of names to stateful objects")
         for name, part in {"sampler": self.sampler, **dict(self.state)}.items():
             if part is not None and not (hasattr(part, "state_dict") and hasattr(part, "load_state_dict")):
                 raise UserError(f"Run state {name!r} ({type(part).__name__}) has no state_dict/load_state_dict")
-        if not isinstance(self.state, Mapping) or not all(isinstance(k, str) and k for k in self.state):
-            raise UserError("Run(state=...): give a mapping of names to stateful objects")
         self.spike_config()
 
     def spike_config(self) -> Any:
