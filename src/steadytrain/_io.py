@@ -185,8 +185,10 @@ def write_text_atomic(path: str | Path, text: str) -> None:
     write_atomic(path, lambda f: f.write(data))
 
 
-def append_jsonl(path: str | Path, *records: dict[str, Any]) -> None:
-    """Append JSON lines and flush them to disk in one ``write`` (lines from several processes never interleave).
+def append_jsonl(path: str | Path, *records: dict[str, Any], sync: bool = True) -> None:
+    """Append JSON lines in one ``write`` (lines from several processes never interleave) and flush them to disk
+    (``sync=False``: left to the kernel, which keeps them through a kill of the process; a caller that must have
+    them on disk before a later write, such as a checkpoint, syncs then).
 
     Values must be JSON: NaN and infinities are refused (``ValueError``) before anything is written.
     """
@@ -194,7 +196,8 @@ def append_jsonl(path: str | Path, *records: dict[str, Any]) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
         os.write(fd, data)
-        os.fsync(fd)
+        if sync:
+            os.fsync(fd)
     finally:
         os.close(fd)
 

@@ -183,3 +183,22 @@ def test_nan_hunt_replays_a_whole_shard(nan_run, cli):
     assert found["examples"] == [i - 2 * SHARD for i in NAN] and found["examples_checked"] == SHARD
     res = cli("nan", "hunt", str(run), "--shard", "1", "--json")  # a clean shard: nothing found
     assert res.returncode == 0 and json.loads(res.stdout)["bad"] == []
+
+
+def test_on_nonfinite_raise_records_the_step_it_stops_at(tmp_path, cli):
+    from steadytrain import Run
+    from steadytrain.accumulate import NonFiniteGradientError
+
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.ones(4, 2)
+    opened = Run(tmp_path / "r", model=model, optimizer=opt, on_nonfinite="raise", shard_size=4, report=False)
+    with pytest.raises(NonFiniteGradientError), opened as run:
+        for step in range(5):
+            with run.micro_batch(torch.arange(4) + 4 * step) as mb:
+                mb.backward(model(x * (float("nan") if step == 2 else 1.0)).pow(2).mean())
+    rows = _rows(tmp_path / "r")
+    assert [(r["step"], r["skipped"]) for r in rows] == [(1, False), (2, False), (3, True)]
+    assert [r["step"] for r in _rows(tmp_path / "r", "nonfinite.jsonl")] == [3]
+    res = cli("nan", "report", str(tmp_path / "r"), "--json")
+    assert res.returncode == 0 and json.loads(res.stdout)["steps"] == [3]

@@ -114,6 +114,9 @@ def check_ids(name: str, value: Any) -> torch.Tensor:
     per example: a column or a row of them is taken, a 2-D batch of token ids is not)."""
     import numpy as np
 
+    plain = isinstance(value, torch.Tensor) and value.dtype == torch.int64 and value.ndim == 1 and value.numel()
+    if plain and value.device.type == "cpu" and not value.requires_grad and int(value.min()) >= 0:
+        return value  # the common case: one reduction, nothing copied
     try:
         t = value.detach().cpu() if isinstance(value, torch.Tensor) else torch.as_tensor(np.asarray(value))
     except (TypeError, ValueError, OverflowError, RuntimeError):

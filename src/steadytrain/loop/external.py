@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from steadytrain.errors import UserError
-from steadytrain.loop.parts import tag_of
+from steadytrain.loop.parts import fill_tags, tag_of
 from steadytrain.train.job.records import record_nonfinite, write_exposure
 
 if TYPE_CHECKING:
@@ -46,7 +46,8 @@ def count(run: Run, ids: Any) -> dict[str, Any]:
     found = tag_of(ids, None, p.origin.shard_size)
     if found is None:
         raise UserError("count(ids=None): give the micro-batch's example ids")
-    p.state.count(found["shard"])
+    fill_tags([found], p.origin.shard_size)  # its shards and indices, for a refused step's record
+    p.state.count(found["ids"])  # example ids: the exposure divides them into shards
     if p.micro is None:
         p.micro = len(found["index"])
     return found

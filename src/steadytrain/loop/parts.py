@@ -41,7 +41,7 @@ from steadytrain.train.setup.distributed import DistInfo
 if TYPE_CHECKING:
     from steadytrain.loop.run import Run
 
-__all__ = ["LoopParts", "build_parts", "close_parts", "run_info", "tag_of"]
+__all__ = ["LoopParts", "build_parts", "close_parts", "fill_tags", "run_info", "tag_of"]
 
 log = logging.getLogger("steadytrain.loop")
 
@@ -114,8 +114,21 @@ def tag_of(ids: Any, tag: Any, shard_size: int) -> dict[str, Any] | None:
         return {**tag, "shard": shard, "index": index, "losses": losses}
     if ids is None:
         return None
-    found = check_ids("run.micro_batch(ids)", ids)
-    return {"shard": found // shard_size, "index": found % shard_size, "losses": None}
+    # shard and index are filled at the step's end, for all its micro-batches at once (fill_tags): no torch op here
+    return {"ids": check_ids("run.micro_batch(ids)", ids), "shard": None, "index": None, "losses": None}
+
+
+def fill_tags(tags: list[dict[str, Any]], shard_size: int) -> None:
+    """The shards and indices of micro-batches given by ids (:func:`tag_of`), for the steps whose tags are read (a
+    refused step's record, a spike's): two ops for the whole step, none for the others."""
+    given = [t for t in tags if t.get("ids") is not None and t.get("shard") is None]
+    if not given:
+        return
+    sizes = [len(t["ids"]) for t in given]
+    ids = torch.cat([t["ids"] for t in given])
+    shard, index = ids // shard_size, ids % shard_size
+    for t, s, i in zip(given, shard.split(sizes), index.split(sizes), strict=True):
+        t["shard"], t["index"] = s, i
 
 
 def build_parts(run: Run, info: DistInfo, opened: Opened) -> LoopParts:
@@ -124,7 +137,10 @@ def build_parts(run: Run, info: DistInfo, opened: Opened) -> LoopParts:
 
     s, rd = run.settings, opened.run
     spikes = SpikeGuard(s.spike_config(), info, rd.spikes)
-    state = TrainState(run.scheduler, run.accumulator, s.sampler, spikes=spikes, extra=dict(s.state), complete=False)
+    state = TrainState(
+        run.scheduler, run.accumulator, s.sampler, spikes=spikes, extra=dict(s.state), complete=False,
+        shard_size=s.shard_size,
+    )  # fmt: skip
     writer = CheckpointWriter(rd.checkpoints, info, use_async=s.async_checkpoint, keep_last=s.keep_last)
     writer.guard(run.optimizer)
     record_environment(info, rd, capture(), resume=opened.checkpoint is not None)  # a gather: every rank

@@ -31,12 +31,12 @@ from typing import Any
 
 import torch
 
-from steadytrain.accumulate import GradientAccumulator
+from steadytrain.accumulate import GradientAccumulator, NonFiniteGradientError
 from steadytrain.accumulate.events import SPIKE
 from steadytrain.errors import UserError
 from steadytrain.loop.checks import check_config_mapping, checkpoint_step, eval_row
 from steadytrain.loop.opening import Origin, open_run
-from steadytrain.loop.parts import LoopParts, build_parts, close_parts, run_info, tag_of
+from steadytrain.loop.parts import LoopParts, build_parts, close_parts, fill_tags, run_info, tag_of
 from steadytrain.loop.settings import RunSettings
 from steadytrain.train.checkpoint.writer import CheckpointFailed
 from steadytrain.train.job.records import record_nonfinite, write_exposure
@@ -101,6 +101,7 @@ class Run:
         self._lr = 0.0
         self._inside = False  # in a micro_batch block
         self._pending = False  # a complete cycle the accumulator has not stepped (see _settle)
+        self._tags: list[dict[str, Any]] = []  # the open step's micro-batch tags (fill_tags at its end)
         self._last_eval = 0
 
     def _accumulator(
@@ -203,6 +204,9 @@ class Run:
                     if mb.loss is not None:  # its gradient is in: counted even if the block raised after backward
                         self._took(p, mb, found)
                 p.beat.enter("all_reduce")  # the cycle's end: the gradient sync, the norm, the update
+        except NonFiniteGradientError:  # on_nonfinite="raise": the refused step is recorded, then the error goes on
+            self._end_step(p, None)
+            raise
         except BaseException:
             # the cycle's last backward ran and the block raised: the accumulator steps it at its next micro-batch
             k = self.accumulator.accumulation_steps
@@ -215,9 +219,12 @@ class Run:
     def _took(self, p: LoopParts, mb: Any, found: dict[str, Any] | None) -> None:
         """A micro-batch whose backward ran: its examples (exposure, the spike record's tags) and loss count."""
         if found is not None:
-            p.state.count(found["shard"])
+            ids = found.get("ids")
+            # the exposure counts example ids (divided into shards 256 micro-batches at a time); a tag's shards as ids
+            p.state.count(ids if ids is not None else found["shard"] * p.origin.shard_size)
+            self._tags.append(found)  # shards and indices are filled when a record reads them (fill_tags)
             if p.micro is None:
-                p.micro = len(found["index"])
+                p.micro = len(ids if ids is not None else found["index"])
             if p.spikes.collects:
                 p.spikes.tags.append(found)
             if p.spikes.detector is not None:
@@ -245,16 +252,21 @@ class Run:
             p.beat.enter("data")
 
     def _end_step(self, p: LoopParts, result: Any) -> None:
+        """The step's records (``result`` None: refused under ``on_nonfinite="raise"``, the accumulator raised)."""
+        tags, self._tags = self._tags, []
         self.step = p.state.step = self.step + 1
         p.beat.stepped(self.step)
         loss = self._loss / max(self._micros, 1) if self._loss is not None else torch.tensor(float("nan"))
         self._loss, self._micros = None, 0
-        event = self.accumulator.nonfinite_events[-1] if not result.stepped else None
+        event = self.accumulator.nonfinite_events[-1] if result is None or not result.stepped else None
         spike = event is not None and event.reason == SPIKE
-        p.spikes.end_step(self.step, self.accumulator, result.grad_norm, self.step - 1)
+        if event is not None or p.spikes.collects:  # a record will read them: now, or at the spike judgement
+            fill_tags(tags, p.origin.shard_size)
+        norm, stepped = (event.grad_norm, False) if result is None else (result.grad_norm, result.stepped)
+        p.spikes.end_step(self.step, self.accumulator, norm, self.step - 1)
         if len(p.metrics._pending) >= self.settings.log_every:  # rows of earlier steps: their run.log calls are in
-            p.metrics.flush()
-        p.metrics.add(self.step, loss, self._lr, result.grad_norm, not result.stepped, spike)
+            p.metrics.flush(durable=False)
+        p.metrics.add(self.step, loss, self._lr, norm, not stepped, spike)
         if spike:
             p.spikes.record(self.step, event, p.spikes.limits, self.step - 1, action="skip")
         elif event is not None:
@@ -319,9 +331,10 @@ class _Micro:
     def backward(self, loss: torch.Tensor) -> None:
         if isinstance(loss, torch.Tensor) and loss.ndim == 1:
             if self._tag is not None:
-                if len(loss) != len(self._tag["index"]):
+                n = len(self._tag["ids"] if self._tag.get("ids") is not None else self._tag["index"])
+                if len(loss) != n:
                     raise UserError(
-                        f"mb.backward(losses): {len(loss)} per-example losses for {len(self._tag['index'])} ids: "
+                        f"mb.backward(losses): {len(loss)} per-example losses for {n} ids: "
                         "give one per example, or the scalar mean"
                     )
                 self._tag["losses"] = loss.detach()  # flags computed only if the step is refused: no host read

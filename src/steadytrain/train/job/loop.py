@@ -347,7 +347,7 @@ def _after_step(job: Job, result: Any, loss: torch.Tensor) -> str | None:
     cfg = job.cfg
     call(job, "on_step_end")  # before the row is written: the callback's run.log keys join it
     if job.state.step % cfg.run.log_every == 0:
-        job.metrics.flush()  # an all-reduce on every rank at the same step: the logged loss is the global batch's
+        job.metrics.flush(durable=False)  # an all-reduce on every rank at the same step: the global batch's loss
         record_rank_times(job)  # one small all-gather at the same step: each rank's time per phase (ranks.jsonl)
     # an evaluation due at this step runs before a stop is honoured: a resume starts after this step
     best = (

@@ -51,11 +51,15 @@ class TrainState:
     exposure: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     """Examples seen per shard id by this rank (rank 0 also holds the counts from before a resume); read it
     through :meth:`global_exposure`, which adds the micro-batches :meth:`count` holds."""
+    shard_size: int | None = None
+    """An own loop's: :meth:`count` takes example ids, and id ``i`` is of shard ``i // shard_size`` (divided when
+    counted, for 256 micro-batches at once)."""
     _uncounted: list[torch.Tensor] = field(default_factory=list)
 
     def count(self, shard: torch.Tensor) -> None:
-        """Add a micro-batch's examples (``shard``: each example's shard id, a host tensor); counted when the
-        exposure is next read, or every 256 micro-batches (one bincount then, not one per micro-batch)."""
+        """Add a micro-batch's examples (``shard``: each example's shard id, a host tensor; with :attr:`shard_size`
+        its example ids); counted when the exposure is next read, or every 256 micro-batches (one bincount then,
+        not one per micro-batch)."""
         self._uncounted.append(shard)
         if len(self._uncounted) >= 256:
             self._fold()
@@ -65,6 +69,8 @@ class TrainState:
         if self._uncounted:
             ids = np.concatenate([s.numpy().reshape(-1) for s in self._uncounted])
             self._uncounted.clear()
+            if self.shard_size:
+                ids = ids // self.shard_size
             counts = np.bincount(ids, minlength=len(self.exposure))  # NumPy: no torch op overhead
             if len(counts) > len(self.exposure):
                 grown = np.zeros(len(counts), dtype=np.int64)

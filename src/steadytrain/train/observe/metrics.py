@@ -159,8 +159,11 @@ class MetricsLog:
     def elapsed(self) -> float:
         return self.elapsed_before + _now() - self._t0
 
-    def flush(self) -> list[dict[str, Any]]:
-        """Average the interval's losses over ranks (one collective, one host sync) and write them."""
+    def flush(self, durable: bool = True) -> list[dict[str, Any]]:
+        """Average the interval's losses over ranks (one collective, one host sync) and write them; ``durable``:
+        on disk before this returns (before a checkpoint, at the end), else left to the kernel (a logging
+        interval's rows: a kill of the process keeps them, and rows past the last checkpoint are written again by a
+        resume anyway)."""
         if not self._pending:
             return []
         losses = torch.stack([p.loss for p in self._pending])
@@ -190,9 +193,9 @@ class MetricsLog:
         self.last = rows[-1]
         layer_rows = self.layers.take() if self.layers is not None else []
         if self.info.is_main:
-            append_jsonl(self.run.metrics, *rows)
+            append_jsonl(self.run.metrics, *rows, sync=durable)
             if layer_rows:
-                append_jsonl(self.run.layers, *layer_rows)
+                append_jsonl(self.run.layers, *layer_rows, sync=durable)
             if self.trackers is not None:
                 fields = tracker_fields(layer_rows)
                 self.trackers.log_rows([r | fields.get(r["step"], {}) for r in rows])
