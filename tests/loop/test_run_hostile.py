@@ -138,7 +138,8 @@ def test_evaluations_keep_the_metrics_log_readable(tmp_path, cli):
 def _checkpointed(run_dir: Path, **settings) -> None:
     model, opt = _model()
     with Run(run_dir, model=model, optimizer=opt, config={"lr": 0.1, "note": "mine"}, report=False, log_every=1,
-             model_factory="mine.models:build", dataset="/data/mine", shard_size=7, **settings) as run:  # fmt: skip
+             model_factory="mine.models:build", dataset="mine.data:examples", shard_size=7,
+             **settings) as run:  # fmt: skip
         _steps(run, model, 2)
         run.checkpoint()
 
@@ -157,7 +158,7 @@ def test_a_resume_refused_by_the_checkpoint_changes_no_byte(tmp_path):
     with Run(run_dir, model=model, optimizer=opt, resume=True, shard_size=7, report=False) as run:
         assert run.start_step == 2
     origin = json.loads((run_dir / "loop.json").read_text())  # not given again: kept
-    assert (origin["model_factory"], origin["dataset"]) == ("mine.models:build", "/data/mine")
+    assert (origin["model_factory"], origin["dataset"]) == ("mine.models:build", "mine.data:examples")
 
 
 def test_a_resume_with_another_shard_size_is_refused(tmp_path):

@@ -202,3 +202,16 @@ def test_on_nonfinite_raise_records_the_step_it_stops_at(tmp_path, cli):
     assert [r["step"] for r in _rows(tmp_path / "r", "nonfinite.jsonl")] == [3]
     res = cli("nan", "report", str(tmp_path / "r"), "--json")
     assert res.returncode == 0 and json.loads(res.stdout)["steps"] == [3]
+
+
+def test_nan_hunt_refuses_what_it_cannot_replay_in_one_line(nan_run, cli):
+    run, _ = nan_run
+    sampler = GlobalSampler(N, batch_size=MICRO, accumulation_steps=ACCUM, seed=3)
+    refused = [s + 1 for s in range(STEPS) if set(sampler.indices(s)) & set(NAN)]
+    clean = next(s for s in range(1, STEPS + 1) if s not in refused)
+    res = cli("nan", "hunt", str(run), "--step", str(clean))
+    assert res.returncode == 2 and "not a refused step" in res.stderr and res.stderr.count("\n") == 1
+    early = [s for s in refused if s <= 4]  # before the first checkpoint (step 4): no weights of the run to use
+    assert early, refused
+    res = cli("nan", "hunt", str(run), "--step", str(early[0]))
+    assert res.returncode == 2 and "initial weights are not recorded" in res.stderr and res.stderr.count("\n") == 1

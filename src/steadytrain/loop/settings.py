@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from steadytrain._check import check_int
+from steadytrain._imports import SPEC
 from steadytrain.errors import UserError
 from steadytrain.train.observe.trackers import TRACKERS
 
@@ -56,7 +57,9 @@ class RunSettings:
     model_factory: str | None = None
     """``package.module:function`` that builds the model (recorded for the commands that replay it)."""
     dataset: str | None = None
-    """The dataset's path (recorded)."""
+    """``package.module:function`` returning the map-style dataset whose item ``i`` is example id ``i`` (a dict of
+    tensors, the batch ``model_factory``'s model takes): recorded, and with ``model_factory`` what ``nan hunt``
+    replays a refused step or a shard of this run with."""
     report: bool = True
     """Write ``summary.md`` and ``plots/`` at close."""
     keep_last: int = 3
@@ -96,8 +99,10 @@ class RunSettings:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value or "\n" in value or "\x00" in value):
                 raise UserError(f"Run({name}={value!r}): give one line of text, or None")
-        if self.model_factory is not None and ":" not in self.model_factory:
-            raise UserError(f"Run(model_factory={self.model_factory!r}): give package.module:function")
+        for name in ("model_factory", "dataset"):
+            value = getattr(self, name)
+            if value is not None and not SPEC.match(value):
+                raise UserError(f"Run({name}={value!r}): give package.module:function")
         if not isinstance(self.state, Mapping) or not all(isinstance(k, str) and k for k in self.state):
             raise UserError("Run(state=...): give a mapping of names to stateful objects")
         for name, part in {"sampler": self.sampler, **dict(self.state)}.items():
