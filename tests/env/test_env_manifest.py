@@ -141,3 +141,23 @@ def test_deterministic_mode_is_recorded(monkeypatch):
 def test_bad_seed(bad):
     with pytest.raises(ValueError, match="seed"):
         seed_everything(bad)
+
+
+def test_the_package_list_follows_an_install_in_the_same_process(tmp_path, monkeypatch):
+    """The list is read once per state of the import path: a package installed (or upgraded) since is seen."""
+    from steadytrain.env._probe import _packages
+
+    def install(version: str) -> None:
+        for old in tmp_path.glob("steadytrain_probe_pkg-*.dist-info"):
+            (old / "METADATA").unlink()
+            old.rmdir()
+        info = tmp_path / f"steadytrain_probe_pkg-{version}.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: steadytrain-probe-pkg\nVersion: {version}\n")
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert "steadytrain-probe-pkg" not in _packages()
+    install("1.0")
+    assert _packages()["steadytrain-probe-pkg"] == "1.0"
+    install("2.0")
+    assert _packages()["steadytrain-probe-pkg"] == "2.0"

@@ -1,5 +1,7 @@
 """kill -9 in the middle of a Run, then the same script with ``resume=True``: every step once, and the losses and
-final weights equal an uninterrupted run's bit for bit (each run in a process of its own, as a user runs it)."""
+final weights equal an uninterrupted run's bit for bit (the killed and the resumed run each in a process of its own,
+as a user runs them; the uninterrupted one in this process). A kill before the first checkpoint, or during it, is
+``tests/loop/test_run_hostile.py``'s."""
 
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from tests.loop import own_loop
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -28,7 +32,7 @@ def _rows(run: Path) -> list[dict]:
 @pytest.mark.parametrize("kind", ["own", "nanogpt"])
 def test_kill_9_then_resume_equals_an_uninterrupted_run(tmp_path, kind):
     whole, cut = tmp_path / "whole", tmp_path / "cut"
-    assert _script(kind, str(whole), "14").returncode == 0
+    own_loop.main([kind, str(whole), "14"])  # uninterrupted, in this process (one thread, as the scripts run)
     killed = _script(kind, str(cut), "14", "kill=10")
     assert killed.returncode == -9, killed.stderr  # SIGKILL after step 10; the last checkpoint is step 8's
     assert max(r["step"] for r in _rows(cut)) < 14
@@ -44,12 +48,3 @@ def test_kill_9_then_resume_equals_an_uninterrupted_run(tmp_path, kind):
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
     resumes = [json.loads(line) for line in (cut / "resumes.jsonl").read_text().splitlines()]
     assert complete and [r["step"] for r in resumes] == [complete[-1]]
-
-
-def test_resume_without_a_checkpoint_starts_fresh(tmp_path):
-    run = tmp_path / "early"
-    assert _script("own", str(run), "6", "kill=3").returncode == -9  # before the first checkpoint (step 4)
-    done = _script("own", str(run), "6", "resume")
-    assert done.returncode == 0, done.stderr
-    assert [r["step"] for r in _rows(run)] == list(range(1, 7))
-    assert not (run / "resumes.jsonl").exists()
