@@ -22,18 +22,35 @@ def _two_ranks(rank: int, world_size: int, tmp: Path) -> None:
     # FSDP2: half the steps, then the same loop resumed from its sharded checkpoint (step 8) to the end
     own_loop.train(tmp / "fsdp", STEPS // 2, data=Examples(nan=NAN), dropout=0.0, fsdp=True, log_every=4)
     own_loop.train(tmp / "fsdp", STEPS, data=Examples(nan=NAN), dropout=0.0, fsdp=True, log_every=4, resume=True)
+    # last: rank 1 stops after step 2, the watchdog ends every rank (exit 75) and writes what it found
+    own_loop.train(tmp / "hung", 6, data=Examples(), watchdog_s=2.0, callbacks=[_Stall()], report=False)
 
 
 def _rows(run: Path, name: str = "metrics.jsonl") -> list[dict]:
     return [json.loads(line) for line in (run / name).read_text().splitlines()]
 
 
+class _Stall:
+    """Rank 1 stops making progress after step 2 (between steps: in its ``data`` phase)."""
+
+    def on_step_end(self, run):
+        if run.rank == 1 and run.step == 2:
+            import time
+
+            time.sleep(120)
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> tuple[Path, Path]:
+def runs(tmp_path_factory) -> tuple[Path, Path, Path, Path, int]:
+    """The runs of :func:`_two_ranks` on one spawned pair, the exit code the watchdog's hang ended it with, and the
+    same loop on one process."""
+    import torch.multiprocessing as mp
+
     tmp = tmp_path_factory.mktemp("ranks")
-    spawn(_two_ranks, 2, tmp)
+    with pytest.raises(mp.ProcessExitedException) as exited:  # the hang, last: every rank exits with its code
+        spawn(_two_ranks, 2, tmp)
     own_loop.train(tmp / "run1", STEPS, data=Examples(nan=NAN), dropout=0.0, layers=True, log_every=4)
-    return tmp / "run1", tmp / "run2", tmp / "fsdp"
+    return tmp / "run1", tmp / "run2", tmp / "fsdp", tmp / "hung", exited.value.exit_code
 
 
 @pytest.mark.parametrize("which", [1, 2])
@@ -55,7 +72,7 @@ def test_two_ranks_train_as_one(runs, which):
 
 
 def test_each_rank_records_its_own_refusals(runs):
-    one, two, _ = runs
+    one, two, *_ = runs
     steps = sorted({r["step"] for r in _rows(one, "nonfinite.jsonl")})
     lines = _rows(two, "nonfinite.jsonl")
     assert steps and sorted({r["step"] for r in lines}) == steps
@@ -63,34 +80,17 @@ def test_each_rank_records_its_own_refusals(runs):
 
 
 def test_nan_report_on_two_ranks_names_the_shard(runs, cli):
-    _, two, _ = runs
+    _, two, *_ = runs
     res = cli("nan", "report", str(two), "--json")
     assert res.returncode == 0, res.stderr
     rep = json.loads(res.stdout)
     assert rep["verdict"] == "shard-selective" and rep["suspect_shards"] == [NAN[0] // SHARD]
 
 
-class _Stall:
-    """Rank 1 stops making progress after step 2 (between steps: in its ``data`` phase)."""
-
-    def on_step_end(self, run):
-        if run.rank == 1 and run.step == 2:
-            import time
-
-            time.sleep(120)
-
-
-def _hanging(rank: int, world_size: int, tmp: Path) -> None:
-    own_loop.train(tmp / "hung", 6, data=Examples(), watchdog_s=2.0, callbacks=[_Stall()], report=False)
-
-
-def test_the_watchdog_names_the_rank_that_stopped(tmp_path, cli):
-    import torch.multiprocessing as mp
-
-    with pytest.raises(mp.ProcessExitedException) as exited:  # every rank exits with the watchdog's code
-        spawn(_hanging, 2, tmp_path)
-    assert exited.value.exit_code == 75
-    res = cli("hangs", str(tmp_path / "hung"), "--json")
+def test_the_watchdog_names_the_rank_that_stopped(runs, cli):
+    *_, hung, code = runs
+    assert code == 75  # every rank exited with the watchdog's code
+    res = cli("hangs", str(hung), "--json")
     assert res.returncode == 0, res.stderr
     (hang,) = json.loads(res.stdout)
     assert hang["stuck_ranks"] == [1] and hang["phase"] == "data" and hang["step"] == 3

@@ -119,12 +119,12 @@ class Recorder:
     def close(self, failed: BaseException | None = None) -> None:
         """Finish the run directory (the last rows, ``exposure.json``, the report); the Trainer's ``on_train_end``
         calls it. Call it yourself with the error when ``trainer.train()`` raised."""
-        if self.run is not None and not self.run._closed:
+        if self.run is not None and not self.run.closed:
             self._settle_layers(None, None)
             self.run.close(failed=failed)
 
     def _open(self, what: str) -> Run:
-        if self.run is None or self.run._closed:
+        if self.run is None or self.run.closed:
             raise UserError(f"SteadytrainCallback.{what}: no run is open (it opens when trainer.train() begins)")
         return self.run
 
@@ -157,7 +157,7 @@ class Recorder:
         self._micro_steps += 1
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self.run is None or self.run._closed:
+        if self.run is None or self.run.closed:
             return
         self._micro += 1
         self._micro_steps += 1
@@ -181,13 +181,13 @@ class Recorder:
         self._watched = False
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self.run is None or self.run._closed:
+        if self.run is None or self.run.closed:
             return
         event, self._event = self._event, None
         external.end_step(self.run, state.global_step, event=event)
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
-        if self.run is None or self.run._closed or not logs:
+        if self.run is None or self.run.closed or not logs:
             return
         step = state.global_step
         if "loss" in logs and step > self._last_row:

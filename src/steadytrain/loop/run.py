@@ -162,6 +162,11 @@ class Run:
         close_parts(self, self._parts, failed)
 
     @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` has run (the ``with`` block ended)."""
+        return self._closed
+
+    @property
     def rank(self) -> int:
         return self.parts.info.rank
 
