@@ -28,8 +28,7 @@ from __future__ import annotations
 import copy
 import json
 import os
-import subprocess
-import sys
+import signal
 from pathlib import Path
 
 import pytest
@@ -38,9 +37,8 @@ import torch
 from steadytrain import Run
 from steadytrain.errors import UserError
 from steadytrain.rundir.schema import read_metrics
+from tests.loop import forked
 from tests.train.test_auto_resume_hostile import snapshot
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def _model(dim: int = 3, seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -196,46 +194,42 @@ def test_a_resume_without_a_checkpoint_writes_each_step_once(tmp_path):
     assert json.loads((run_dir / "exposure.json").read_text()) == {"0": 12}  # ids 0-11 in shards of 1000, once
 
 
-KILLED = """
-import os, signal, sys, torch
-import steadytrain.train.checkpoint.writer as writer
-from steadytrain import Run
-run_dir, kill_at, checkpoints = sys.argv[1], int(sys.argv[2]), (3, 5)
-save = writer.write_json
-def killing(path, data):
-    if path.name == "state.json" and f"{kill_at:08d}" in str(path.parent):
-        print("saving", flush=True)
-        os.kill(os.getpid(), signal.SIGKILL)  # its tensors are written, its state.json and rename not
-    save(path, data)
-writer.write_json = killing
-torch.manual_seed(0)
-model = torch.nn.Linear(3, 1)
-opt = torch.optim.SGD(model.parameters(), lr=0.1)
-x = torch.randn(64, 3, generator=torch.Generator().manual_seed(1))
-with Run(run_dir, model=model, optimizer=opt, resume=True, log_every=1, async_checkpoint=False, report=False) as run:
-    for step in range(run.start_step + 1, 7):
-        ids = torch.arange(4) + 4 * step
-        with run.micro_batch(ids) as mb:
-            mb.backward(model(x[ids]).pow(2).mean())
-        if step in checkpoints:
-            run.checkpoint(step)
-"""
+def _killed(run_dir: Path, kill_at: int, checkpoints: tuple[int, ...] = (3, 5)) -> None:
+    """Six steps, checkpoints at 3 and 5; ``kill_at``: SIGKILL inside that step's save, its tensors written, its
+    ``state.json`` and rename not (0: no kill)."""
+    import steadytrain.train.checkpoint.writer as writer
+
+    save = writer.write_json
+
+    def killing(path, data):
+        if kill_at and path.name == "state.json" and f"{kill_at:08d}" in str(path.parent):
+            os.kill(os.getpid(), signal.SIGKILL)
+        save(path, data)
+
+    writer.write_json = killing
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x = torch.randn(64, 3, generator=torch.Generator().manual_seed(1))
+        with Run(run_dir, model=model, optimizer=opt, resume=True, log_every=1, async_checkpoint=False,
+                 report=False) as run:  # fmt: skip
+            for step in range(run.start_step + 1, 7):
+                ids = torch.arange(4) + 4 * step
+                with run.micro_batch(ids) as mb:
+                    mb.backward(model(x[ids]).pow(2).mean())
+                if step in checkpoints:
+                    run.checkpoint(step)
+    finally:
+        writer.write_json = save
 
 
 @pytest.mark.parametrize(("kill_at", "resumed"), [(3, None), (5, 3)])
 def test_kill_9_in_a_checkpoint_then_resume_writes_each_step_once(tmp_path, kill_at, resumed):
     run_dir = tmp_path / "run"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-
-    def script(kill: int) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-c", KILLED, str(run_dir), str(kill)], cwd=ROOT, env=env,
-                              capture_output=True, text=True, timeout=300)  # fmt: skip
-
-    killed = script(kill_at)
-    assert killed.returncode == -9 and "saving" in killed.stdout, killed.stderr
+    assert forked.exit_code(_killed, run_dir, kill_at) == -9  # a process of its own, killed in the save
     assert _steps_of(run_dir) == list(range(1, kill_at + 1))  # the rows are flushed before the save
-    done = script(0)
-    assert done.returncode == 0, done.stderr
+    _killed(run_dir, 0)  # the same loop again, in this process
     assert _steps_of(run_dir) == list(range(1, 7))
     resumes = run_dir / "resumes.jsonl"
     if resumed is None:  # no complete checkpoint: a fresh start, which is no resume
