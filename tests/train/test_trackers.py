@@ -16,6 +16,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+import PIL.Image
 import pytest
 import torch
 import yaml
@@ -250,6 +251,10 @@ def test_summary_and_plots_are_artifacts_in_every_store(tracked):
 
     acc = _tensorboard(tracked)
     assert sorted(acc.Tags()["images"]) == sorted(f"plots/{p.removesuffix('.png')}" for p in plots)
+    for p in plots:  # each image is the plot as written, at its size (PIL reads the file independently)
+        (image,) = acc.Images(f"plots/{p.removesuffix('.png')}")
+        assert image.encoded_image_string == (tracked / "plots" / p).read_bytes()
+        assert (image.width, image.height) == PIL.Image.open(tracked / "plots" / p).size
     assert "summary.md/text_summary" in acc.Tags()["tensors"]
 
 

@@ -105,17 +105,29 @@ class TensorBoard(Tracker):
         self.writer.flush()
 
     def finish(self, artifacts: list[tuple[Path, str]], status: str) -> None:
-        import matplotlib.image
-
         for path, name in artifacts:
             if path.suffix == ".png":
-                self.writer.add_image(name.removesuffix(".png"), matplotlib.image.imread(path), dataformats="HWC")
+                self.writer.file_writer.add_summary(_png_summary(name.removesuffix(".png"), path.read_bytes()))
             else:
                 self.writer.add_text(name, path.read_text(encoding="utf-8"))
         self.writer.close()
 
     def abort(self) -> None:
         self.writer.close()
+
+
+_PNG_CHANNELS = {0: 1, 2: 3, 4: 2, 6: 4}
+"""A PNG's colour type (its header's) -> channels, for TensorBoard's image record."""
+
+
+def _png_summary(tag: str, png: bytes) -> Any:
+    """TensorBoard's image record of a PNG file as written (``add_image`` would decode it and encode it again)."""
+    from tensorboard.compat.proto.summary_pb2 import Summary
+
+    width, height = int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")  # the IHDR chunk
+    channels = _PNG_CHANNELS.get(png[25], 4)
+    image = Summary.Image(height=height, width=width, colorspace=channels, encoded_image_string=png)
+    return Summary(value=[Summary.Value(tag=tag, image=image)])
 
 
 def _wandb_settings(wandb: Any) -> Any:
