@@ -12,7 +12,7 @@ import contextlib
 import logging
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -23,6 +23,7 @@ from steadytrain._text import error_text
 from steadytrain.errors import UserError
 from steadytrain.loop.checks import check_ids
 from steadytrain.loop.opening import Opened, Origin
+from steadytrain.loop.settings import RunSettings
 from steadytrain.rundir.layout import RunDir
 from steadytrain.train.checkpoint.writer import CheckpointFailed, CheckpointWriter
 from steadytrain.train.job.files import record_environment, truncate_logs
@@ -38,8 +39,21 @@ from steadytrain.train.observe.trackers import end_run, open_trackers
 from steadytrain.train.observe.watchdog import Beat, Watchdog, start_watchdog
 from steadytrain.train.setup.distributed import DistInfo
 
-if TYPE_CHECKING:
-    from steadytrain.loop.run import Run
+
+class Run(Protocol):
+    """What the writers here read of an open :class:`~steadytrain.loop.run.Run` (named here, so that module and
+    this one do not import each other)."""
+
+    settings: RunSettings
+    config: dict[str, Any]
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    accumulator: Any
+    step: int
+    _loss: torch.Tensor | None
+    _micros: int
+
 
 __all__ = ["LoopParts", "build_parts", "close_parts", "fill_tags", "run_info", "tag_of"]
 
