@@ -79,10 +79,10 @@ def add_row(run: Run, step: int, *, loss: float, lr: float, grad_norm: float, sk
     interval's. Rows are written every ``log_every`` rows (every rank calls this: the write is a collective);
     ``run.log(step, ...)`` adds keys to the row until then."""
     p = run.parts
-    if not 1 <= step <= run.step or any(r.step >= step for r in p.metrics._pending):
+    if not 1 <= step <= run.step or any(s >= step for s in p.metrics.pending_steps):
         raise UserError(f"add_row(step={step!r}): give a step that has ended ({run.step} so far) and has no row yet")
     items = _items_per_step(run) * max(int(steps), 1)
-    pending = p.metrics._pending
+    pending = p.metrics.pending_steps
     if pending and (len(pending) >= run.settings.log_every or p.metrics.items_per_step != items):
         p.metrics.flush()  # the rows before hold another interval's items: written with theirs
     p.metrics.items_per_step = items

@@ -269,7 +269,7 @@ class Run:
             fill_tags(tags, p.origin.shard_size)
         norm, stepped = (event.grad_norm, False) if result is None else (result.grad_norm, result.stepped)
         p.spikes.end_step(self.step, self.accumulator, norm, self.step - 1)
-        if len(p.metrics._pending) >= self.settings.log_every:  # rows of earlier steps: their run.log calls are in
+        if len(p.metrics.pending_steps) >= self.settings.log_every:  # rows of earlier steps: their run.log calls are in
             p.metrics.flush(durable=False)
         p.metrics.add(self.step, loss, self._lr, norm, not stepped, spike)
         if spike:

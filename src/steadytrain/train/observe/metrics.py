@@ -111,6 +111,11 @@ class MetricsLog:
     extra: dict[int, dict[str, Any]] = field(default_factory=dict)
     """Keys a loop or a callback adds to a step's row (:meth:`add_keys`), by step: merged into it when written."""
 
+    @property
+    def pending_steps(self) -> list[int]:
+        """The steps whose rows are added and not yet written (:meth:`flush` writes them)."""
+        return [p.step for p in self._pending]
+
     def add_keys(self, step: int, keys: dict[str, Any], last: int) -> None:
         """``run.log(step, **keys)``: the keys join step ``step``'s row (``last``: the step ended last), which must
         not be written yet; the keys the run measures itself are refused."""
