@@ -21,7 +21,6 @@ import torch
 
 from steadytrain.errors import UserError
 from steadytrain.loop.parts import fill_tags, tag_of
-from steadytrain.train.job.records import record_nonfinite, write_exposure
 
 if TYPE_CHECKING:
     from steadytrain.accumulate import NonFiniteEvent
@@ -60,16 +59,7 @@ def end_step(run: Run, step: int, *, event: NonFiniteEvent | None = None) -> Non
     p = run.parts
     if isinstance(step, bool) or not isinstance(step, int) or step <= run.step:
         raise UserError(f"end_step(step={step!r}): give the framework's step number, above the last ({run.step})")
-    run.step = p.state.step = step
-    p.beat.stepped(step)
-    if event is not None:
-        p.state.consecutive_skips += 1
-        record_nonfinite(p.run, p.info, step, event)
-        write_exposure(p.run, p.info, p.state, None)
-    else:
-        p.state.consecutive_skips = 0
-    if p.plan_pending:
-        p.write_plan(run)
+    p.close_step(run, step, event)
 
 
 def add_row(run: Run, step: int, *, loss: float, lr: float, grad_norm: float, skipped: bool, steps: int = 1) -> None:

@@ -27,7 +27,7 @@ from steadytrain.loop.settings import RunSettings
 from steadytrain.rundir.layout import RunDir
 from steadytrain.train.checkpoint.writer import CheckpointFailed, CheckpointWriter
 from steadytrain.train.job.files import record_environment, truncate_logs
-from steadytrain.train.job.records import write_exposure, write_nonfinite_report
+from steadytrain.train.job.records import record_nonfinite, write_exposure, write_nonfinite_report
 from steadytrain.train.job.restore import Restorable, restore_checkpoint
 from steadytrain.train.job.resume import record_resume
 from steadytrain.train.job.spikes import SpikeGuard
@@ -79,6 +79,21 @@ class LoopParts:
     """``plan.json`` does not have the micro-batch size yet (written at the first step's end)."""
     micro: int | None = None
     """The first micro-batch's number of examples (from its ids), for ``plan.json``."""
+
+    def close_step(self, run: Run, step: int, event: Any, *, spike: bool = False) -> None:
+        """Optimizer step ``step`` ended, in the Run's loop or a framework's (:mod:`.external`): the counters, the
+        heartbeat, a refused step's ledger line and ``exposure.json`` (a collective: every rank refuses the same
+        steps; a spike's record is the spike guard's), ``plan.json`` once."""
+        run.step = self.state.step = step
+        self.beat.stepped(step)
+        if event is not None and not spike:
+            self.state.consecutive_skips += 1
+            record_nonfinite(self.run, self.info, step, event)
+            write_exposure(self.run, self.info, self.state, None)
+        elif event is None:
+            self.state.consecutive_skips = 0
+        if self.plan_pending:
+            self.write_plan(run)
 
     def write_plan(self, run: Run) -> None:
         """Rank 0: ``plan.json`` with the batch factors the first step showed (micro-batch size from its ids)."""

@@ -39,7 +39,7 @@ from steadytrain.loop.opening import Origin, open_run
 from steadytrain.loop.parts import LoopParts, build_parts, close_parts, fill_tags, run_info, tag_of
 from steadytrain.loop.settings import RunSettings
 from steadytrain.train.checkpoint.writer import CheckpointFailed
-from steadytrain.train.job.records import record_nonfinite, write_exposure
+from steadytrain.train.job.records import write_exposure
 
 __all__ = ["Run"]
 
@@ -259,14 +259,13 @@ class Run:
     def _end_step(self, p: LoopParts, result: Any) -> None:
         """The step's records (``result`` None: refused under ``on_nonfinite="raise"``, the accumulator raised)."""
         tags, self._tags = self._tags, []
-        self.step = p.state.step = self.step + 1
-        p.beat.stepped(self.step)
         loss = self._loss / max(self._micros, 1) if self._loss is not None else torch.tensor(float("nan"))
         self._loss, self._micros = None, 0
         event = self.accumulator.nonfinite_events[-1] if result is None or not result.stepped else None
         spike = event is not None and event.reason == SPIKE
         if event is not None or p.spikes.collects:  # a record will read them: now, or at the spike judgement
             fill_tags(tags, p.origin.shard_size)
+        p.close_step(self, self.step + 1, event, spike=spike)
         norm, stepped = (event.grad_norm, False) if result is None else (result.grad_norm, result.stepped)
         p.spikes.end_step(self.step, self.accumulator, norm, self.step - 1)
         if len(p.metrics.pending_steps) >= self.settings.log_every:  # rows of earlier steps: their run.log calls are in
@@ -274,14 +273,6 @@ class Run:
         p.metrics.add(self.step, loss, self._lr, norm, not stepped, spike)
         if spike:
             p.spikes.record(self.step, event, p.spikes.limits, self.step - 1, action="skip")
-        elif event is not None:
-            p.state.consecutive_skips += 1
-            record_nonfinite(p.run, p.info, self.step, event)
-            write_exposure(p.run, p.info, p.state, None)  # a collective: every rank refused this step
-        else:
-            p.state.consecutive_skips = 0
-        if p.plan_pending:
-            p.write_plan(self)
         p.callbacks.call("on_step_end", self)
 
     def log(self, step: int, **metrics: Any) -> None:
