@@ -33,6 +33,7 @@ __all__ = [
     "one_line",
     "present",
     "read_jsonl",
+    "read_log_bytes",
     "read_text",
     "utc_now",
     "write_atomic",
@@ -264,6 +265,12 @@ def _read_bytes(path: Path, what: str, max_bytes: int) -> bytes:
     except OSError as err:
         raise UserError(f"{path}: cannot read the {what} ({err.strerror or err})") from None
     return data
+
+
+def read_log_bytes(path: str | Path, *, what: str) -> bytes:
+    """The bytes of a log the project appends to (at most :data:`MAX_LOG_BYTES`), for a reader that parses its lines
+    its own way; a :class:`UserError` naming the file when it cannot be read."""
+    return _read_bytes(Path(path), what, MAX_LOG_BYTES)
 
 
 def read_text(path: str | Path, *, what: str = "file", max_bytes: int = MAX_TEXT_BYTES) -> str:

@@ -14,7 +14,7 @@ from steadytrain.cli.evaluate import eval_cmd, export_cmd
 from steadytrain.cli.nan import demo, nan
 from steadytrain.cli.parallel import check_parallel_cmd
 from steadytrain.cli.plan import plan
-from steadytrain.cli.runs import compare, hangs, layers, ranks, report, repro, sweep, triage
+from steadytrain.cli.runs import compare, goodput, hangs, layers, ranks, report, repro, sweep, triage
 from steadytrain.cli.spikes import spikes
 from steadytrain.cli.train import config_group, train
 from steadytrain.errors import UserError
@@ -42,6 +42,7 @@ cli.add_command(repro)
 cli.add_command(sweep)
 cli.add_command(hangs)
 cli.add_command(ranks)
+cli.add_command(goodput)
 cli.add_command(layers)
 cli.add_command(triage)
 cli.add_command(check_parallel_cmd)

@@ -1,4 +1,4 @@
-"""``steadytrain report|compare|repro|sweep|hangs|ranks|triage|layers``: parse, call :mod:`steadytrain.runs`, print."""
+"""``steadytrain report|compare|repro|sweep|hangs|ranks|goodput|triage|layers``: parse, call :mod:`.runs`, print."""
 
 from __future__ import annotations
 
@@ -214,3 +214,21 @@ def layers(run: str, step: int | None, as_json: bool) -> None:
         return
     for line in table_lines(found):
         click.echo(line)
+
+
+@click.command("goodput")
+@run_argument
+@click.option("--json", "as_json", is_flag=True, help="Print the account as JSON (the keys of RUN/goodput.json).")
+def goodput(run: str, as_json: bool) -> None:
+    """Where RUN's time went, over every attempt (RUN/timeline.jsonl): the share that trained steps that count, and
+    the rest by cause (startup, compile, data wait, checkpoints, evaluation, lost progress, skipped steps, restart
+    gaps, hangs, stragglers, other)."""
+    from steadytrain.runs.goodput import goodput as account
+    from steadytrain.runs.goodput import goodput_lines
+
+    found = account(Path(run))
+    if as_json:
+        _json(found.to_dict())
+        return
+    for line in goodput_lines(found):
+        click.echo(one_line(line))

@@ -35,6 +35,7 @@ from steadytrain.train.job.state import TrainState
 from steadytrain.train.observe.callbacks import Callbacks, load_callbacks
 from steadytrain.train.observe.layers import LayerMonitor
 from steadytrain.train.observe.metrics import MetricsLog, Progress
+from steadytrain.train.observe.timeline import AttemptClock, start_clock
 from steadytrain.train.observe.trackers import end_run, open_trackers
 from steadytrain.train.observe.watchdog import Beat, Watchdog, start_watchdog
 from steadytrain.train.setup.distributed import DistInfo
@@ -75,6 +76,8 @@ class LoopParts:
     beat: Beat
     watchdog: Watchdog | None
     callbacks: Callbacks
+    clock: AttemptClock | None = None
+    """This attempt's account of its time (``timeline.jsonl``), on rank 0."""
     plan_pending: bool = True
     """``plan.json`` does not have the micro-batch size yet (written at the first step's end)."""
     micro: int | None = None
@@ -165,6 +168,7 @@ def build_parts(run: Run, info: DistInfo, opened: Opened) -> LoopParts:
     from steadytrain.env import capture
 
     s, rd = run.settings, opened.run
+    beat = Beat()  # the attempt's clock, in its "start" phase until the first micro-batch
     spikes = SpikeGuard(s.spike_config(), info, rd.spikes)
     state = TrainState(
         run.scheduler, run.accumulator, s.sampler, spikes=spikes, extra=dict(s.state), complete=False,
@@ -174,16 +178,21 @@ def build_parts(run: Run, info: DistInfo, opened: Opened) -> LoopParts:
     writer.guard(run.optimizer)
     record_environment(info, rd, capture(), resume=opened.checkpoint is not None)  # a gather: every rank
     if opened.checkpoint is not None:
+        beat.enter("restore")
         _restore(run, info, rd, opened, state)
+        beat.enter("start")
     elif opened.records is not None:  # a resume without a checkpoint: a fresh start
         opened.records()
     if spikes.decides:  # the flag is read with the gradient norm, in the step's one host read
         run.accumulator.veto = lambda norm: spikes.veto(run.step + 1, run._loss / max(run._micros, 1), norm)
     metrics = _metrics(run, info, rd, state, spikes)
-    beat = Beat(state.step)
+    beat.step = state.step
     parts = LoopParts(info, rd, Origin(s.model_factory, s.dataset, s.shard_size), opened.lock, state, spikes,
                       metrics, writer, beat, None, load_callbacks(s.callbacks, "Run(callbacks)"))  # fmt: skip
     parts.watchdog = start_watchdog(s.watchdog_s, info, rd.path, beat)
+    if info.is_main:  # the attempt's account (timeline.jsonl): this Run's startup is the script's, to here
+        parts.clock = start_clock(rd.path, beat, metrics, parts.watchdog, step=state.step,
+                                  resumed=opened.checkpoint is not None, world_size=info.world_size)  # fmt: skip
     return parts
 
 
@@ -243,6 +252,8 @@ def close_parts(run: Run, p: LoopParts, failed: BaseException | None) -> None:
     finally:
         if p.lock is not None:
             p.lock.release()
+    if p.clock is not None:  # the attempt's last line, before the report reads the account
+        p.clock.end("finished" if clean else "failed", p.state.step)
     if p.info.is_main:
         _nonfinite_report(p)
         report = _report if run.settings.report else None

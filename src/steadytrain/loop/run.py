@@ -312,6 +312,8 @@ class Run:
                 train = p.state.state_dict(elapsed_s=p.metrics.elapsed(), exposure=exposure)
                 with contextlib.suppress(CheckpointFailed):  # logged with its step; the previous stays the latest
                     p.writer.save(step, self.model, self.optimizer, train, frozenset())
+                    if p.clock is not None:
+                        p.clock.saved(step)
             p.callbacks.call("on_checkpoint", self, step)
         finally:
             p.beat.enter("data")

@@ -23,6 +23,8 @@ from steadytrain.errors import UserError
 from steadytrain.rundir.layout import running_by
 from steadytrain.rundir.schema import check_nonfinite_report
 from steadytrain.runs import layerplot, mixplots, mixture, plots
+from steadytrain.runs.goodplot import goodput_plot
+from steadytrain.runs.goodput import Account, goodput_sentence, write_goodput
 from steadytrain.runs.record import RunRecord, load_run, shown, smooth
 from steadytrain.train.observe.figures import describe, summarize
 
@@ -52,6 +54,8 @@ class Report:
     plots: dict[str, Path] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)
     """Plots that could not be drawn, with the reason (the summary says so too)."""
+    goodput: Account | None = None
+    """The run's time account (``goodput.json``, written here), or None when it has no ``timeline.jsonl``."""
 
 
 def report(run: str | Path, *, stopped: str | None = None) -> Report:
@@ -74,18 +78,39 @@ def report(run: str | Path, *, stopped: str | None = None) -> Report:
     sources = mixture.load_mixture(rec)
     out = Report(summary=rec.run.summary)
     where = _plots_dir(rec)
+    out.goodput = _goodput(rec, out)
+    if out.goodput is not None:
+        _draw(out, "goodput", lambda path: goodput_plot(out.goodput, rec.name, path), where / "goodput.png")
     for name, draw in {**PLOTS, **(mixplots.plots_for(sources) if sources else {})}.items():
-        try:
-            drawn = draw(rec, where / f"{name}.png")
-            if drawn is not None:
-                out.plots[name] = drawn
-        except UserError:  # the directory is not writable, a name there is not a file: the summary fails too
-            raise
-        except Exception as err:  # a plot is never worth losing the report (or the run) over
-            out.failed[name] = f"{type(err).__name__}: {error_text(err)}"
-            log.warning("%s: could not draw the %s plot: %s", rec.run.path, name, out.failed[name])
+        _draw(out, name, lambda path, draw=draw: draw(rec, path), where / f"{name}.png")
     write_text_atomic(out.summary, summary_markdown(rec, out, stopped, sources))
     return out
+
+
+def _draw(out: Report, name: str, draw: Any, path: Path) -> None:
+    """One plot into ``out`` (drawn, or failed with the reason)."""
+    try:
+        drawn = draw(path)
+        if drawn is not None:
+            out.plots[name] = drawn
+    except UserError:  # the directory is not writable, a name there is not a file: the summary fails too
+        raise
+    except Exception as err:  # a plot is never worth losing the report (or the run) over
+        out.failed[name] = f"{type(err).__name__}: {error_text(err)}"
+        log.warning("%s: could not draw the %s plot: %s", out.summary.parent, name, out.failed[name])
+
+
+def _goodput(rec: RunRecord, out: Report) -> Account | None:
+    """The run's account, written to ``goodput.json``; None without ``timeline.jsonl`` (a run from before it, or
+    an own loop's run): a timeline that cannot be read is named in the summary, the rest is still written."""
+    if not present(rec.run.path / "timeline.jsonl"):
+        return None
+    try:
+        return write_goodput(rec.run.path)
+    except UserError as err:
+        out.failed["goodput"] = error_text(err)
+        log.warning("%s: no time account: %s", rec.run.path, out.failed["goodput"])
+        return None
 
 
 def report_after_training(run: str | Path, stopped: str | None = None) -> Report | None:
@@ -223,7 +248,10 @@ def summary_markdown(rec: RunRecord, rep: Report, stopped: str | None, sources: 
         *([("compute", text)] if (text := describe(summarize(rec.metrics))) else []),
         ("wall time", f"{s['elapsed']:.1f} s" if s["elapsed"] is not None else "n/a"),
     ]
-    lines = [f"# Run {md(rec.name)}", "", f"- {md(plan_sentence(rec.plan))}", *_schedule_lines(rec)]
+    lines = [f"# Run {md(rec.name)}", ""]
+    if rep.goodput is not None:
+        lines += [f"- **{md(goodput_sentence(rep.goodput))}** (`steadytrain goodput RUN` for the causes)"]
+    lines += [f"- {md(plan_sentence(rec.plan))}", *_schedule_lines(rec)]
     lines += [f"- {x}" for x in (_stopped_line(rec, stopped, s["steps"]), _nonfinite_line(rec), _spike_line(rec)) if x]
     lines += [f"- {x}" for x in _resume_lines(rec)]
     lines += [f"- {x}" for x in _restart_lines(rec)]

@@ -24,6 +24,7 @@ from steadytrain.train.job.state import TrainState
 from steadytrain.train.job.stop import StopRequest
 from steadytrain.train.observe.callbacks import Callbacks
 from steadytrain.train.observe.metrics import MetricsLog
+from steadytrain.train.observe.timeline import AttemptClock
 from steadytrain.train.observe.watchdog import Beat, Watchdog
 from steadytrain.train.setup.config import TrainConfig
 from steadytrain.train.setup.distributed import DistInfo
@@ -117,6 +118,8 @@ class Job:
     """``run.callbacks``, loaded before the first step (None: none)."""
     view: Any = None
     """The job as its callbacks see it (:class:`~steadytrain.train.job.hooks.JobRun`)."""
+    clock: AttemptClock | None = None
+    """This attempt's account of its time (``timeline.jsonl``), on rank 0; None on other ranks."""
 
     @property
     def compile_s(self) -> float | None:

@@ -37,6 +37,8 @@ def end_job(
                 job.watchdog.stop()
             job.stop.settle()
             job.writer.close()  # a save still in flight (the run failed) completes first
+            if job.clock is not None:  # the attempt's last line, before the report reads the account
+                job.clock.end(_how(ending), job.state.step)
             if job.lock is not None:
                 job.lock.release()
             if info.is_main:
@@ -49,3 +51,11 @@ def end_job(
             if ending is not None:
                 raise
             log.warning("rank %d: leaving the process group failed too: %s", info.rank, error_text(err))
+
+
+def _how(ending: tuple[str | None, str] | None) -> str:
+    """The attempt's end as ``timeline.jsonl`` names it."""
+    if ending is None:
+        return "failed"
+    reason, status = ending
+    return "finished" if reason is None else "stopped" if status == "KILLED" else "failed"

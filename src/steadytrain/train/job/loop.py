@@ -53,6 +53,7 @@ from steadytrain.train.job.validate import build_validation, start_validation, v
 from steadytrain.train.observe.callbacks import load_callbacks
 from steadytrain.train.observe.profiling import StepProfiler
 from steadytrain.train.observe.throughput import for_run
+from steadytrain.train.observe.timeline import start_clock
 from steadytrain.train.observe.watchdog import Beat, start_watchdog
 from steadytrain.train.setup.config import TrainConfig
 from steadytrain.train.setup.distributed import DistInfo, init_distributed, same_everywhere
@@ -112,6 +113,7 @@ class _Where:
 
 def _build(cfg: TrainConfig, info: DistInfo, where: _Where, signals: contextlib.ExitStack) -> Job:
     """The whole job, before its first step: pieces, run directory, state, writer, a resume restored, metrics."""
+    beat = Beat()  # the attempt's clock starts here, in its "start" phase (the watchdog reads it from the first step)
     same_everywhere(info, flatten(cfg.to_dict()))  # before anything is built from it: one gather, at start
     p = build_pieces(cfg, info)
     info = p.info  # with its layout: a mesh's tensor-parallel ranks read the same micro-batches
@@ -140,7 +142,9 @@ def _build(cfg: TrainConfig, info: DistInfo, where: _Where, signals: contextlib.
         hosts = runfiles.record_environment(info, run, manifest, resume=where.resume is not None)
         if where.resume is not None:
             parts = Restorable(p.model, p.optimizer, p.acc.scheduler, state, hyper, info, cfg.run)
+            beat.enter("restore")
             _resume(parts, run, validation, spikes, ResumeRecord(cfg, p.plan, p.held, changes), where.auto_resume)
+            beat.enter("start")
         meter = for_run(
             info.device, info.world_size, p.plan.global_batch_size, p.plan.accumulation_steps,
             precision=cfg.precision, peak=cfg.run.peak_flops, is_main=info.is_main,
@@ -155,9 +159,13 @@ def _build(cfg: TrainConfig, info: DistInfo, where: _Where, signals: contextlib.
         state=state, writer=writer, spikes=spikes, metrics=start_metrics(cfg, info, p, run, state, spikes, meter),
         stop=signals.enter_context(StopRequest(info)),  # its handlers until the job has ended (end_job)
         held_out=p.held, hyper=hyper, validation=validation, lock=lock, changes=changes, compiled=p.compiled,
-        stop_after=where.stop_after, beat=Beat(state.step), hosts=hosts, sources=p.sources,
+        stop_after=where.stop_after, beat=beat, hosts=hosts, sources=p.sources,
     )  # fmt: skip
+    beat.step = state.step
     job.watchdog = start_watchdog(cfg.distributed.watchdog_s, info, run.path, job.beat)
+    if info.is_main:  # the attempt's account, from its first step on (timeline.jsonl)
+        job.clock = start_clock(run.path, beat, job.metrics, job.watchdog, step=state.step, resumed=bool(where.resume),
+                                world_size=info.world_size, compiled=job.compiled is not None)  # fmt: skip
     job.callbacks, job.view = callbacks, JobRun(job)
     if spikes.decides:  # the flag is read with the gradient norm, in the step's one host read
         p.acc.veto = lambda norm: spikes.veto(job.state.step + 1, job.step.loss / job.step.micros, norm)
@@ -402,4 +410,6 @@ def _checkpoint(job: Job) -> None:
         keep |= keep_for_rollback(job)
         with contextlib.suppress(CheckpointFailed):  # logged with its step; the previous one stays the latest
             job.writer.save(job.state.step, job.model, job.optimizer, train, frozenset(keep - {None}))
+            if job.clock is not None:
+                job.clock.saved(job.state.step)
     call(job, "on_checkpoint", job.state.step)

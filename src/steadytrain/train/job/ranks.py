@@ -11,13 +11,15 @@ collectives; ``steadytrain ranks RUN`` (:mod:`steadytrain.runs.ranks`) reads the
 
 from __future__ import annotations
 
+import statistics
+
 import torch
 import torch.distributed as dist
 
 from steadytrain._io import append_jsonl
 from steadytrain.train.job.core import Job
 
-__all__ = ["PHASES", "host", "record_rank_times"]
+__all__ = ["PHASES", "host", "record_rank_times", "waited"]
 
 PHASES = ("data", "forward", "backward", "all_reduce")
 
@@ -34,6 +36,8 @@ def record_rank_times(job: Job) -> None:
     if not job.info.is_main:
         return
     table = torch.stack(every).cpu().tolist()  # host read, once per interval, on rank 0 only
+    if job.clock is not None:
+        job.clock.waited(waited(table))
     rows = [
         {"step": job.state.step, "rank": r, "host": host(job, r), "steps": steps}
         | {f"{p}_s": round(v, 6) for p, v in zip(PHASES, values, strict=True)}
@@ -45,3 +49,10 @@ def record_rank_times(job: Job) -> None:
 def host(job: Job, rank: int) -> str | None:
     """Rank ``rank``'s hostname (rank 0 has every rank's, from the environment gather at start)."""
     return job.hosts[rank] if job.hosts and rank < len(job.hosts) else None
+
+
+def waited(table: list[list[float]]) -> float:
+    """Seconds the job waited for its slowest rank in an interval: the slowest rank's own time (``data`` and
+    ``forward``: its work before it meets the others) less the median of the other ranks' own time."""
+    own = sorted(row[0] + row[1] for row in table)
+    return max(0.0, own[-1] - statistics.median(own[:-1])) if len(own) > 1 else 0.0

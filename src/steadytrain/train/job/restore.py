@@ -138,7 +138,11 @@ def rollback(job: Job, event: NonFiniteEvent) -> str:
     n = guard.rollbacks + 1
     guard.record(step, event, guard.limits, batch, action="rollback", rollback_to=target_step, rollback=n)
     skipped, restored = list(guard.skipped), [*guard.restored, target_step]
+    job.beat.enter("restore")
     restore_checkpoint(restorable(job), target)  # C's window and recent batches; what happened since: set back below
+    job.beat.enter("all_reduce")  # the refused step's end, as before the rollback
+    if job.clock is not None:
+        job.clock.rolled_back(target_step)
     restored = [s for s in restored if s <= target_step]
     guard.rollbacks, guard.skipped, guard.restored = n, skipped, restored  # what happened since C is not undone
     guard.pass_over(batches)

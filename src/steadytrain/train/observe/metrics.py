@@ -108,6 +108,9 @@ class MetricsLog:
     """A :class:`~steadytrain.train.observe.throughput.Throughput`: rows get ``tokens_per_s``, ``flops_per_s``,
     ``mfu`` (the known ones, from ``items_per_s``) and ``peak_mem_mb`` (read once per flush: no device sync)."""
 
+    clock: Any = None
+    """The attempt's :class:`~steadytrain.train.observe.timeline.AttemptClock` (rank 0): told each step's end, and
+    given a line with each interval's rows."""
     extra: dict[int, dict[str, Any]] = field(default_factory=dict)
     """Keys a loop or a callback adds to a step's row (:meth:`add_keys`), by step: merged into it when written."""
 
@@ -137,6 +140,8 @@ class MetricsLog:
         pending = _Pending(step, loss.detach().float(), lr, grad_norm, skipped, _now(), spike, self._aside)
         self._pending.append(pending)
         self._aside = {}
+        if self.clock is not None:
+            self.clock.step(skipped or spike)
 
     @contextlib.contextmanager
     def aside(self, kind: str) -> Iterator[Callable[[], float]]:
@@ -206,6 +211,8 @@ class MetricsLog:
                 self.trackers.log_rows([r | fields.get(r["step"], {}) for r in rows])
             if self.progress is not None:
                 self.progress.update(rows[-1], self.total_steps)
+            if self.clock is not None:
+                self.clock.interval(rows[-1]["step"])
         return rows
 
     def _row(self, p: _Pending, loss: float, seconds: float) -> dict[str, Any]:

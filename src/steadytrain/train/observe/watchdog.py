@@ -65,7 +65,7 @@ class Beat:
     step: int = 0
     phase: str = "start"
     spent: dict[str, float] = field(default_factory=dict)
-    since: float = field(default_factory=time.perf_counter)
+    since: float = field(default_factory=lambda: time.perf_counter())
     steps_since_take: int = 0
     """Optimizer steps ended since the last :meth:`take` (``ranks.jsonl``'s ``steps``): counted, not subtracted,
     since a spike's rollback sets the step back and a resume starts past the last take."""
@@ -75,10 +75,22 @@ class Beat:
         self.step = step
         self.steps_since_take += 1
 
+    total: dict[str, float] = field(default_factory=dict)
+    """The seconds per phase since the beat began (never taken): the attempt's clock
+    (:class:`~steadytrain.train.observe.timeline.AttemptClock` reads it)."""
+
     def enter(self, phase: str) -> None:
         now = time.perf_counter()
         self.spent[self.phase] = self.spent.get(self.phase, 0.0) + now - self.since
+        self.total[self.phase] = self.total.get(self.phase, 0.0) + now - self.since
         self.phase, self.since = phase, now
+
+    def totals(self) -> dict[str, float]:
+        """:attr:`total` with the phase in progress counted up to now (nothing changed: any thread may ask)."""
+        phase, since = self.phase, self.since
+        out = dict(self.total)
+        out[phase] = out.get(phase, 0.0) + time.perf_counter() - since
+        return out
 
     def take(self) -> dict[str, float]:
         """The seconds per phase since the last call (the phase in progress counted up to now); the count of
@@ -101,6 +113,10 @@ class Watchdog:
     timeout_s: float
     poll_s: float = 0.0
     exit: Any = os._exit
+    on_hang: Any = None
+    """Rank 0, before it exits: called with the seconds from the last progress to the verdict (the attempt's
+    clock writes its last line)."""
+    _last_change: float = field(default_factory=time.monotonic)
     _stop: threading.Event = field(default_factory=threading.Event)
     _main: int = field(default_factory=threading.get_ident)
     _thread: threading.Thread | None = None
@@ -132,6 +148,7 @@ class Watchdog:
                     now_seen = self._beats()
                     if now_seen != seen:
                         seen, last_change = now_seen, time.monotonic()
+                        self._last_change = last_change
                     elif seen is not None and time.monotonic() - last_change > self.timeout_s:
                         self.store.set("hang", str(min(s for s, _ in seen) + 1))
                 if self.store.check(["hang"]):
@@ -159,6 +176,8 @@ class Watchdog:
             if self.rank == 0:
                 _write_hang(where, step, self._reports())
                 log.error("hang at step %d: see %s", step, where / HANG_FILE)
+                if self.on_hang is not None:
+                    self.on_hang(time.monotonic() - self._last_change)
                 self.store.set("done", "1")
                 time.sleep(min(1.0, self.poll_s * 2))  # the others read it before this rank's store goes
             else:
