@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from steadytrain.runs.goodput import goodput
 from tests.cli_utils import in_process, launched
 from tests.train_utils import bigram_module, metrics, sets, write_text_dataset
 
@@ -77,6 +78,17 @@ def test_a_rank_that_stops_is_named_and_the_restart_finishes_every_step_once(sle
     assert restart["step"] == 4 and (restart["world_size_before"], restart["world_size_after"]) == (2, 2)
     assert "hang at step 5" in restart["reason"] and "rank(s) 1" in restart["reason"] and restart["lost_s"] > 3
     assert [r["step"] for r in metrics(run)] == list(range(1, 9))  # every step once
+
+    # the time account: the hung attempt ends at the watchdog's verdict, 3 s (watchdog_s) and at most a poll or two
+    # after rank 1's last progress; nothing it trained is lost (it hung in step 5, after its checkpoint at 4)
+    account = goodput(run).to_dict()
+    hung, resumed = account["attempts"]
+    assert (hung["how"], hung["steps"], resumed["how"], resumed["resumed_at"]) == ("hang", [0, 4], "finished", 4)
+    assert 3.0 <= hung["badput"]["hang"] <= 3.0 + 3.0, hung
+    assert hung["badput"]["lost_progress"] < 0.5 and resumed["badput"]["restart_gap"] > 0
+    assert resumed["badput"]["checkpoint_restore"] > 0 and account["badput"]["hang"] == hung["badput"]["hang"]
+    for a in (account, hung, resumed):
+        assert a["productive_s"] + sum(a["badput"].values()) == pytest.approx(a["wall_s"], abs=5e-3)
 
     listed = in_process("hangs", str(run), "--json")
     assert listed.returncode == 0, listed.stderr

@@ -110,13 +110,12 @@ def test_two_attempts_by_arithmetic(tmp_path, monkeypatch):
     # attempt 1: compile = 2.0 - median(1, 1, 1, 1); productive = steps 1-4 (2 + 1 + 1, less the compile) = 3.0;
     # lost: steps 5 and 6 (1 + 1, less the 0.3 s straggler wait counted on its own), trained past checkpoint 4
     assert first["productive_s"] == pytest.approx(3.0)
-    assert first["badput"] == pytest.approx(
-        {"startup": 6.0, "compile": 1.0, "data_wait": 0.8, "checkpoint_save": 0.5, "checkpoint_restore": 0.0,
-         "evaluation": 2.0, "lost_progress": 1.7, "skipped_steps": 1.1, "restart_gap": 0.0, "hang": 0.0,
-         "straggler": 0.3, "other": 0.0}  # fmt: skip
-    )
-    assert (first["wall_s"], first["how"], first["steps"], first["resumed_at"]) == (pytest.approx(16.4), "killed",
-                                                                                   [0, 6], None)  # fmt: skip
+    expected = {"startup": 6.0, "compile": 1.0, "data_wait": 0.8, "checkpoint_save": 0.5, "checkpoint_restore": 0.0,
+                "evaluation": 2.0, "lost_progress": 1.7, "skipped_steps": 1.1, "restart_gap": 0.0, "hang": 0.0,
+                "straggler": 0.3, "other": 0.0}  # fmt: skip
+    assert first["badput"] == pytest.approx(expected)
+    assert (first["wall_s"], first["how"], first["steps"]) == (pytest.approx(16.4), "killed", [0, 6])
+    assert first["resumed_at"] is None
     assert second["badput"] == pytest.approx(
         dict.fromkeys(CAUSES, 0.0) | {"startup": 2.5, "checkpoint_restore": 2.0, "restart_gap": 3.6, "other": 0.5}
     )

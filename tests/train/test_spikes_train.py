@@ -19,6 +19,7 @@ import yaml
 from steadytrain.diagnose import hunt, report
 from steadytrain.diagnose.ledger import SPIKES
 from steadytrain.diagnose.spikedemo import BATCH, bad_shard_at, make_dataset, train_config
+from steadytrain.runs.goodput import goodput
 from steadytrain.runs.replay import run_model
 from steadytrain.train.checkpoint.catalog import latest_checkpoint, load_checkpoint
 from steadytrain.train.job.loop import train
@@ -141,6 +142,14 @@ def test_rollback_goes_back_skips_the_recorded_batch_and_ends_like_a_run_without
     assert len(plain) == len(set(plain)) and {s for s, _ in plain} == set(range(10, STEPS + 1, 10))  # each once
     tail = [sum(r["loss"] for r in metrics(x)[-10:]) / 10 for x in (run, clean)]
     assert abs(tail[0] / tail[1] - 1) < 0.05, tail
+
+    # the time account: the refused step is skipped time and the rollback's restore its own; the spike came in the
+    # step right after checkpoint 40, so no trained step was thrown away (less than one step's time)
+    (a,) = goodput(run).to_dict()["attempts"]
+    step_s = sorted(r["step_s"] for r in metrics(run))[len(metrics(run)) // 2]
+    assert a["badput"]["skipped_steps"] > 0 and a["badput"]["checkpoint_restore"] > 0, a
+    assert a["badput"]["lost_progress"] < step_s, (a, step_s)
+    assert a["productive_s"] + sum(a["badput"].values()) == pytest.approx(a["wall_s"], abs=5e-3)
 
 
 def test_the_window_survives_a_resume(tmp_path, data):

@@ -9,6 +9,7 @@ import json
 
 import pytest
 
+from steadytrain.runs.goodput import goodput
 from steadytrain.runs.ranks import stragglers
 from tests.cli_utils import in_process
 
@@ -34,6 +35,19 @@ def test_a_rank_sleeping_50_ms_a_step_is_named_and_a_clean_run_names_nobody(plan
 
     calm = json.loads(in_process("ranks", str(clean), "--json").stdout)
     assert calm["stragglers"] == [] and calm["intervals"] == 6
+
+    # the time account: what the job waited for rank 1 is its straggler time, the planted 50 ms a step as above
+    waited = goodput(slow).badput["straggler"]
+    assert 12 * 0.040 <= waited <= 12 * 0.080, waited
+    assert goodput(clean).badput["straggler"] < waited / 2
+
+
+@pytest.mark.distributed
+def test_a_rank_sleeping_0_8_s_a_step_costs_its_sleep_in_straggler_time(planted):
+    run = planted.runs["moving"]  # rank 1 sleeps 0.4 s in each of its 2 forwards a step, for 8 steps
+    account = goodput(run)
+    assert 8 * 0.8 * 0.9 <= account.badput["straggler"] <= 8 * 0.8 * 1.25, account.badput
+    assert account.productive_s + sum(account.badput.values()) == pytest.approx(account.wall_s, abs=5e-3)
 
 
 def _write(run, per_step_ms: dict[int, list[float]], steps: int = 4) -> None:

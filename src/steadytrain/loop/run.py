@@ -314,7 +314,7 @@ class Run:
                     p.writer.save(step, self.model, self.optimizer, train, frozenset())
                     if p.clock is not None:
                         p.clock.saved(step)
-            p.callbacks.call("on_checkpoint", self, step)
+                p.callbacks.call("on_checkpoint", self, step)  # its time is the checkpoint's, not the next step's
         finally:
             p.beat.enter("data")
 

@@ -194,6 +194,7 @@ def _resume(
 
 
 def _run(job: Job) -> dict[str, Any]:
+    job.stop.deadline(job.cfg.run.stop_deadline_s, job.beat, job.run.checkpoints)  # a preemption's, until the end
     profiler = _profiler(job)
     runfiles.log_start(job)
     start_validation(job)
@@ -215,7 +216,8 @@ def _run(job: Job) -> dict[str, Any]:
         job.metrics.flush()  # the trackers stay open until the run's report is written (end_run)
         if job.metrics.progress is not None:
             job.metrics.progress.close()
-    _checkpoint(job)
+    if job.stop.saved != job.state.step:  # a stop agreed right after this step's save has its checkpoint
+        _checkpoint(job)
     try:
         job.writer.wait()  # the run ends when its last checkpoint is complete
     except CheckpointFailed as err:
@@ -229,6 +231,8 @@ def _run(job: Job) -> dict[str, Any]:
         return summary
     if job.stop.stopped:
         how = f"checkpoint written at step {job.state.step}; resume with: steadytrain train --resume {job.run.path}"
+        if job.stop.preempted:  # the scheduler's requeue runs the same command again: --auto-resume continues
+            how = f"exit {job.stop.exit_code}: preempted, requeue me; {how} (or the same command with --auto-resume)"
         err: TrainingStopped = Interrupted(f"{stopped}; {how}", job.stop.exit_code)
     else:
         err = TrainingStopped(stopped)
@@ -371,6 +375,8 @@ def _after_step(job: Job, result: Any, loss: torch.Tensor) -> str | None:
         and not job.step.ended
     ):
         _checkpoint(job)
+        if job.stop.after_save(job.state.step):  # a signal during the save: the run ends with it, no further step
+            return f"interrupted by {job.stop.name} at step {job.state.step}"
     job.beat.enter("data")
     if job.step.ended:
         return job.step.ended
@@ -412,4 +418,4 @@ def _checkpoint(job: Job) -> None:
             job.writer.save(job.state.step, job.model, job.optimizer, train, frozenset(keep - {None}))
             if job.clock is not None:
                 job.clock.saved(job.state.step)
-    call(job, "on_checkpoint", job.state.step)
+        call(job, "on_checkpoint", job.state.step)  # its time is the checkpoint's, not the next step's
