@@ -264,3 +264,41 @@ def test_the_command_prints_the_account_and_refuses_what_it_cannot_read(tmp_path
     assert proc.returncode == 2 and "is a directory" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
     proc = in_process("goodput", str(tmp_path / "nowhere"))
     assert proc.returncode == 2 and "no such run directory" in proc.stderr
+
+
+class _Tracker:
+    name, hint, keeps_first = "fake", "", True
+
+    def __init__(self) -> None:
+        self.rows: list[dict] = []
+
+    def log(self, rows: list[dict]) -> None:
+        self.rows += rows
+
+    def finish(self, artifacts, status) -> None:
+        self.status = status
+
+
+def test_the_trackers_get_the_account_at_the_last_step(tmp_path, monkeypatch):
+    from steadytrain.rundir.layout import RunDir
+    from steadytrain.runs.goodput import write_goodput
+    from steadytrain.train.observe.trackers import Trackers, end_run
+
+    run = _run(tmp_path)
+    clock = Clock(monkeypatch, 0.0)
+    _first_attempt(run, clock)
+    _second_attempt(run, clock)
+    monkeypatch.undo()
+    fake = _Tracker()
+    end_run(Trackers(None, [fake]), RunDir(run), (None, "FINISHED"), lambda path, stopped: write_goodput(path))
+    (row,) = fake.rows
+    account = json.loads((run / "goodput.json").read_text())
+    assert row["step"] == 5 and row["goodput/goodput"] == account["goodput"] and fake.status == "FINISHED"
+    assert row["goodput/restart_gap_s"] == pytest.approx(3.6) and row["goodput/wall_s"] == pytest.approx(26.0)
+    assert {k for k in row if k.endswith("_s")} == {f"goodput/{c}_s" for c in CAUSES} | {
+        "goodput/wall_s", "goodput/productive_s"}  # fmt: skip
+
+    (run / "goodput.json").write_text("[1, 2]")  # damaged: the trackers go on without it
+    fake = _Tracker()
+    end_run(Trackers(None, [fake]), RunDir(run), (None, "FINISHED"), None)
+    assert fake.rows == [] and fake.status == "FINISHED"

@@ -154,3 +154,11 @@ def test_a_run_from_before_timelines_reports_without_a_goodput_line(killed_and_r
     assert "goodput" not in (run / "summary.md").read_text() and not (run / "goodput.json").exists()
     proc = in_process("goodput", str(run))
     assert proc.returncode == 2 and "no timeline.jsonl" in proc.stderr
+
+    # compare: the two accounts side by side, the older run's side empty
+    both = json.loads(in_process("compare", str(killed_and_resumed[0]), str(run), "--json").stdout)["goodput"]
+    account = json.loads((killed_and_resumed[0] / "goodput.json").read_text())
+    assert both["goodput"] == [account["goodput"], None]
+    assert both["restart_gap"] == [account["badput"]["restart_gap"], None]
+    text = in_process("compare", str(killed_and_resumed[0]), str(run)).stdout
+    assert "time account (A vs B):" in text and f"{account['goodput']:.1%}" in text and "n/a" in text

@@ -91,8 +91,23 @@ def compare(run_a: str, run_b: str, as_json: bool, plot: str | None) -> None:
     for scope, diffs in result.env.items():
         for d in (diffs or [])[:10]:
             click.echo(f"  {scope} {one_line(d['path'])}: {one_line(repr(d['a']))} vs {one_line(repr(d['b']))}")
+    for line in _time_lines(result.goodput):
+        click.echo(line)
     if result.plot is not None:
         click.echo(f"  plot: {one_line(result.plot)}")
+
+
+def _time_lines(side: dict[str, list[float | None]] | None) -> list[str]:
+    """``compare``'s time accounts, A beside B: the goodput, wall and productive time, every cause either has."""
+    if side is None:
+        return []
+
+    def cell(key: str, x: float | None) -> str:
+        return "n/a" if x is None else f"{x:.1%}" if key == "goodput" else f"{x:.1f} s"
+
+    rows = [k for k, (a, b) in side.items() if k in ("goodput", "wall_s", "productive_s") or (a or 0) + (b or 0) > 0]
+    lines = [f"    {k:<19}{cell(k, side[k][0]):>12}{cell(k, side[k][1]):>12}" for k in rows]
+    return ["  time account (A vs B):", *lines]
 
 
 @click.command("repro")

@@ -26,6 +26,7 @@ __all__ = [
     "data_diff",
     "data_record",
     "env_diff",
+    "goodput_side_by_side",
     "loss_divergence",
     "validation_losses",
 ]
@@ -48,6 +49,9 @@ class Comparison:
     plot: str | None = None
     validation: dict[str, list[float | None]] | None = None
     """``{step: [A's val_loss, B's]}`` at the evaluation steps both runs have (None when either has none)."""
+    goodput: dict[str, list[float | None]] | None = None
+    """The two time accounts side by side: ``{"goodput": [a, b], "wall_s": ..., "productive_s": ..., cause: ...}``
+    (a run without ``timeline.jsonl`` has None; None when neither has one)."""
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -203,8 +207,29 @@ def compare(run_a: str | Path, run_b: str | Path, *, plot: str | Path | None = N
     metrics = "; ".join(p for p in (_metrics_phrase(first, rel, common, a, b), _validation_phrase(val)) if p)
     text = sentence(config, data, env, metrics, missing)
     out = Comparison(text, config, data, env, first, rel, [len(a.steps), len(b.steps)], validation=val)
+    out.goodput = goodput_side_by_side(a.run.path, b.run.path)
     if plot is not None:
         from steadytrain.runs.plots import compare_plot
 
         out.plot = str(compare_plot(a, b, first, Path(plot)))
     return out
+
+
+def goodput_side_by_side(a: Path, b: Path) -> dict[str, list[float | None]] | None:
+    """Both runs' time accounts by key (:func:`steadytrain.runs.goodput.goodput`); a run without one has None."""
+    from steadytrain.errors import UserError
+    from steadytrain.rundir.timeline import CAUSES
+    from steadytrain.runs.goodput import goodput
+
+    accounts = []
+    for path in (a, b):
+        try:
+            accounts.append(goodput(path).to_dict())
+        except UserError:  # no timeline (an older run) or none readable: that side is empty
+            accounts.append(None)
+    if accounts == [None, None]:
+        return None
+    keys = ("goodput", "wall_s", "productive_s")
+    return {k: [x and x[k] for x in accounts] for k in keys} | {
+        c: [x and x["badput"][c] for x in accounts] for c in CAUSES
+    }

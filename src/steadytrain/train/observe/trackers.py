@@ -80,6 +80,12 @@ class Trackers:
         if moved:
             self._save()
 
+    def log_final(self, row: dict[str, Any]) -> None:
+        """Send one row of the run's end (its time account, at its last step) to every tracker: not a
+        ``metrics.jsonl`` row, so no mark is kept for it."""
+        for t in list(self.trackers):
+            self._call(t, "logging", t.log, [row])
+
     def finish(self, artifacts: list[tuple[Path, str]], status: str) -> None:
         """Upload ``(file, name)`` pairs and close every tracker."""
         for t in list(self.trackers):
@@ -195,4 +201,22 @@ def end_run(
             report(str(run.path), ending[0])
         except Exception as err:  # a picture is never worth losing a run over
             log.warning("%s: the report was not written (%s: %s)", run.path, type(err).__name__, error_text(err))
+    if ending is not None and (row := goodput_row(run)) is not None:
+        trackers.log_final(row)
     trackers.finish(artifacts(run) if ending is not None else [], ending[1] if ending is not None else "FAILED")
+
+
+def goodput_row(run: RunDir) -> dict[str, Any] | None:
+    """``goodput/*`` of the account the report wrote (``goodput.json``) at the run's last step: ``goodput/goodput``,
+    ``goodput/wall_s``, ``goodput/productive_s`` and ``goodput/<cause>_s``; None when there is none to read."""
+    path = run.path / "goodput.json"
+    if not path.is_file():
+        return None
+    try:
+        account = load_json(path, what="time account")
+        row = {"step": int(account["attempts"][-1]["steps"][1]), "goodput/goodput": account["goodput"]}
+        row |= {f"goodput/{k}": account[k] for k in ("wall_s", "productive_s")}
+        return row | {f"goodput/{cause}_s": s for cause, s in account["badput"].items()}
+    except Exception as err:  # the trackers go on without it; goodput.json is named
+        log.warning("%s: not sent to the trackers (%s)", path, error_text(err))
+        return None
