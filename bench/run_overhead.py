@@ -16,6 +16,8 @@ global-norm clipping to 1.0, AdamW (lr 1e-3), ``warmup_schedule(10, 10 000)`` st
   interval's losses) and the heartbeat; no checkpoint is taken in the timed steps.
 * ``run+layers``   -- the same with ``layers=True, layers_every=10``: the per-layer norms every 10th step, to show
   that option's cost on its own.
+* ``run, no clock`` -- the same Run with its time account (``timeline.jsonl``, the attempt's clock told each step's
+  end) switched off after it opened: ``run / run, no clock`` is what the account costs a step.
 * ``accumulator again`` -- a second ``accumulator`` on its own copy: ``accumulator again / accumulator`` is what the
   machine's noise alone makes of a paired ratio (a difference within it is not measurable here).
 
@@ -74,14 +76,16 @@ from steadytrain import Run
 from steadytrain.accumulate import GradientAccumulator
 
 RAW, ACC, RUN, LAYERS, AGAIN = "raw", "accumulator", "run", "run+layers", "accumulator again"
+NOCLOCK = "run, no clock"
 LABELS = {
     RAW: "hand-written PyTorch loop",
     ACC: "`GradientAccumulator` alone",
     RUN: "`GradientAccumulator` in an open `steadytrain.Run`",
     LAYERS: "same, `layers=True` (every 10 steps)",
     AGAIN: "`GradientAccumulator` alone, a second copy (the noise floor)",
+    NOCLOCK: "same Run, its time account (`timeline.jsonl`) switched off",
 }
-RATIOS = ((RUN, ACC), (ACC, RAW), (RUN, RAW), (LAYERS, ACC), (AGAIN, ACC))
+RATIOS = ((RUN, ACC), (ACC, RAW), (RUN, RAW), (LAYERS, ACC), (AGAIN, ACC), (RUN, NOCLOCK))
 HEADLINE = (RUN, ACC)
 LOG_EVERY = 10  # the Run's default, given explicitly
 MICRO = 32  # bench/loop.py's small micro-batch
@@ -113,7 +117,7 @@ def make_run(
 def feed_for(name: str, pool: Feed, steps: int) -> list:
     """The micro-batches of ``steps`` optimizer steps as this implementation takes them (the Runs: with ids)."""
     feed = [pool[i % len(pool)] for i in range(steps * K)]
-    return feed if name in (RUN, LAYERS) else [(x, y) for x, y, _ in feed]
+    return feed if name in (RUN, LAYERS, NOCLOCK) else [(x, y) for x, y, _ in feed]
 
 
 # -- equivalence check ----------------------------------------------------------------------------
@@ -130,7 +134,7 @@ def check(impls: dict[str, Impl], runs: dict[str, Run], pool: Feed, steps: int) 
         impl.run(feed_for(name, pool, steps))
     ref = impls[ACC]
     lines = []
-    for name in (RUN, LAYERS):
+    for name in (RUN, LAYERS, NOCLOCK):
         same = _bit_identical(impls[name].module, ref.module)
         lr_same = impls[name].optimizer.param_groups[0]["lr"] == ref.optimizer.param_groups[0]["lr"]
         if not (same and lr_same and runs[name].step == steps):
@@ -239,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     setup = make_setup("small", n_micro, argparse.Namespace(seed=args.seed, small_batch=MICRO))
     pool: Feed = [(x, y, torch.arange(MICRO) + MICRO * i) for i, (x, y) in enumerate(setup.pool)]
     with tempfile.TemporaryDirectory(prefix="run_overhead_") as tmp, contextlib.ExitStack() as stack:
-        run_dirs = {RUN: Path(tmp) / "run", LAYERS: Path(tmp) / "run_layers"}
+        run_dirs = {RUN: Path(tmp) / "run", LAYERS: Path(tmp) / "run_layers", NOCLOCK: Path(tmp) / "run_noclock"}
         impls = {RAW: make_raw(setup.model, setup.loss_fn), ACC: make_steadytrain(setup.model, setup.loss_fn)}
         impls[ACC].name = ACC
         impls[AGAIN] = make_steadytrain(setup.model, setup.loss_fn)  # the same code again: what a ratio of 1 reads
@@ -248,7 +252,9 @@ def main(argv: list[str] | None = None) -> int:
         impls[LAYERS], run_l = make_run(
             LAYERS, setup.model, setup.loss_fn, run_dirs[LAYERS], stack, layers=True, layers_every=LOG_EVERY
         )
-        for line in check(impls, {RUN: run, LAYERS: run_l}, pool, args.check_steps):
+        impls[NOCLOCK], run_n = make_run(NOCLOCK, setup.model, setup.loss_fn, run_dirs[NOCLOCK], stack)
+        run_n.parts.clock = run_n.parts.metrics.clock = None  # the time account off: what it costs a step
+        for line in check(impls, {RUN: run, LAYERS: run_l, NOCLOCK: run_n}, pool, args.check_steps):
             print("check:", line, flush=True)
         for name, impl in impls.items():
             impl.run(feed_for(name, pool, args.warmup))
