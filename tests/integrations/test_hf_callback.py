@@ -214,6 +214,14 @@ def test_rows_every_n_logged_steps_and_evaluations(hf, tmp_path):
     evals = {h["step"]: h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h}
     assert {r["step"]: r["val_loss"] for r in rows if "val_loss" in r} == pytest.approx(evals, rel=1e-6)
     assert not (run / "layers.jsonl").exists() or {r["step"] for r in _rows(run, "layers.jsonl")} <= {3, 6}
+    # the time account: the Trainer's evaluations (its own eval_runtime, from its evaluate() call to its end) are
+    # evaluation time, less the set-up before its first prediction step
+    from steadytrain.runs.goodput import goodput
+
+    account = goodput(run)
+    runtime = sum(h["eval_runtime"] for h in trainer.state.log_history if "eval_runtime" in h)
+    assert 0.5 * runtime <= account.badput["evaluation"] <= runtime + 0.5, (runtime, account.badput)
+    assert account.productive_s > 0 and account.attempts[0]["how"] == "finished"
 
 
 def test_a_trainer_resumed_from_its_checkpoint_goes_on_in_a_new_run(hf, tmp_path):

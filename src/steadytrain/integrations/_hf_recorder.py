@@ -151,6 +151,12 @@ class Recorder:
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._cycle, self._losses, self._micro = [], [], 0
+        if self.run is not None and not self.run.closed:
+            self.run.parts.beat.enter("forward")  # the attempt's clock: the step's work, to its end
+
+    def on_prediction_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.run is not None and not self.run.closed and self.run.parts.beat.phase != "eval":
+            self.run.parts.beat.enter("eval")  # the Trainer's evaluation, until the next step begins
 
     def on_substep_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._micro += 1
@@ -185,6 +191,7 @@ class Recorder:
             return
         event, self._event = self._event, None
         external.end_step(self.run, state.global_step, event=event)
+        self.run.parts.beat.enter("data")  # to the next step's begin: its batch (and the Trainer's logging, saves)
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
         if self.run is None or self.run.closed or not logs:
