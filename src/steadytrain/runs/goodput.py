@@ -8,22 +8,33 @@ noted and counted as no gap), and the ``lost_progress`` of a restart (what the e
 checkpoint the next one resumed from). ``productive`` and the causes add up to ``wall_s`` by construction: what no
 cause claims is ``other``, shown. A killed attempt's account ends at its last line (each logging interval and
 each checkpoint): what it did after that is in the ``restart_gap``.
+
+Whatever the file holds, the account is of the lines the reader kept, and says what it assumed: an attempt whose
+start line is lost began at its first line (less the seconds that line accounts) and resumed from that line's
+step (the least it can have thrown away of the attempt before); a resume past every step of the attempt before,
+a cause this version does not know (counted as ``other``), causes that add up to more than the wall time and a
+wall clock that went back between attempts are notes. The notes reach :func:`goodput`'s log too (``compare`` and
+``report`` show numbers without them).
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from steadytrain._io import present
+from steadytrain._text import short
 from steadytrain.errors import UserError
 from steadytrain.rundir.layout import RunDir, open_run_dir, running_by
 from steadytrain.rundir.timeline import CAUSES, TIMELINE, Attempt, read_timeline
 
 __all__ = ["GOODPUT_FILE", "Account", "goodput", "write_goodput"]
+
+log = logging.getLogger("steadytrain.runs")
 
 GOODPUT_FILE = "goodput.json"
 _WITHIN = 0.01
@@ -67,12 +78,18 @@ def goodput(run_dir: str | Path) -> Account:
     attempts, notes = read_timeline(path)
     if not attempts:
         raise UserError(f"{path}: no line could be read ({'; '.join(notes[:3]) or 'the file is empty'})")
-    return _account(attempts, notes, running_by(run.path) is not None)
+    account = _account(attempts, notes, running_by(run.path) is not None)
+    if account.notes:  # said where the notes are not shown (compare, report): the numbers are of what was read
+        n = len(account.notes)
+        log.info("%s: %d note%s on the time account (`steadytrain goodput %s` lists them), the first: %s", path, n,
+                 "s" if n != 1 else "", run.path, account.notes[0])  # fmt: skip
+    return account
 
 
-def write_goodput(run_dir: str | Path) -> Account:
-    """:func:`goodput`, written to ``RUN/goodput.json`` (at the end of each attempt)."""
-    account = goodput(run_dir)
+def write_goodput(run_dir: str | Path, account: Account | None = None) -> Account:
+    """:func:`goodput` (or ``account``, the run's already read), written to ``RUN/goodput.json`` (at the end of
+    each attempt)."""
+    account = goodput(run_dir) if account is None else account
     run = RunDir(Path(run_dir))
     run.write_json(run.path / GOODPUT_FILE, account.to_dict())
     return account
@@ -87,7 +104,12 @@ def _account(attempts: list[Attempt], notes: list[str], running: bool) -> Accoun
                          "back between them (or they overlapped); counted as no gap")  # fmt: skip
         after["badput"]["restart_gap"] = max(0.0, gap)
         after["wall_s"] += max(0.0, gap)  # an attempt's wall time includes the wait before it
-        lost = _lost(attempts[n - 1], after["resumed_at"])
+        lost = _lost(attempts[n - 1], after["_resumed"])
+        last = max(line["step"] for line in attempts[n - 1].lines)
+        if after["_resumed"] is not None and after["_resumed"] > last:
+            notes.append(f"attempt {n + 1} resumed at step {after['_resumed']}, past attempt {n}'s last line (step "
+                         f"{last}): killed between a save and its line, or a checkpoint from elsewhere? None of "
+                         f"attempt {n}'s steps is counted as lost")  # fmt: skip
         before["productive_s"] -= lost
         before["badput"]["lost_progress"] += lost
     if rows and rows[-1]["how"] == "killed" and running:
@@ -104,13 +126,15 @@ def _account(attempts: list[Attempt], notes: list[str], running: bool) -> Accoun
 
 def _own(attempt: Attempt, number: int, notes: list[str]) -> dict[str, Any]:
     """What one attempt's lines say of it: its span, its seconds by cause (``other``: what none claims)."""
-    start, last = attempt.start, attempt.last
+    start, last, first = attempt.start, attempt.last, attempt.lines[0]
     seconds = last["seconds"]
     if start is not None:
-        begun = float(start["started_at"])
-    else:
-        begun = float(attempt.lines[0]["t"]) - sum(attempt.lines[0]["seconds"].values())
-        notes.append(f"attempt {number}: its start line is missing; its start is taken from its first line")
+        begun, resumed = float(start["started_at"]), start.get("resumed_at")
+    else:  # the latest it can have begun, and the latest step it can have resumed from: the least it lost
+        begun, resumed = float(first["t"]) - sum(first["seconds"].values()), first["step"]
+        notes.append(f"attempt {number}: its start line is missing; its start and its resume step are taken from its "
+                     f"first line (step {resumed})")  # fmt: skip
+    _unknown_causes(seconds, number, notes)
     wall = float(last["t"]) - begun
     badput = {c: float(seconds.get(c, 0.0)) for c in CAUSES}
     productive = float(seconds.get("train", 0.0))
@@ -131,9 +155,21 @@ def _own(attempt: Attempt, number: int, notes: list[str]) -> dict[str, Any]:
         "badput": badput,
         "how": last.get("how", "killed") if last["event"] == "end" else "killed",
         "resumed_at": start.get("resumed_at") if start is not None else None,
+        "_resumed": resumed,
         "world_size": start.get("world_size") if start is not None else None,
         "steps": [attempt.lines[0]["step"], last["step"]],
     }
+
+
+def _unknown_causes(seconds: dict[str, float], number: int, notes: list[str]) -> None:
+    """A cause this version does not know (a later version's, a hand edit) is counted as ``other``: said so."""
+    unknown = sorted(k for k in seconds if k != "train" and k not in CAUSES)
+    if unknown:
+        more = f" and {len(unknown) - 3} more" if len(unknown) > 3 else ""
+        named = ", ".join(short(k, 40) for k in unknown[:3]) + more
+        total = sum(float(seconds[k]) for k in unknown)
+        notes.append(f"attempt {number}: its last line names causes this version does not know ({named}): their "
+                     f"{total:.1f} s are counted as other")  # fmt: skip
 
 
 def _lost(attempt: Attempt, resumed_at: int | None) -> float:

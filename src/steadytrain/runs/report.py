@@ -24,7 +24,7 @@ from steadytrain.rundir.layout import running_by
 from steadytrain.rundir.schema import check_nonfinite_report
 from steadytrain.runs import layerplot, mixplots, mixture, plots
 from steadytrain.runs.goodplot import goodput_plot
-from steadytrain.runs.goodput import Account, goodput_sentence, write_goodput
+from steadytrain.runs.goodput import GOODPUT_FILE, Account, goodput, goodput_sentence, write_goodput
 from steadytrain.runs.record import RunRecord, load_run, shown, smooth
 from steadytrain.train.observe.figures import describe, summarize
 
@@ -102,15 +102,31 @@ def _draw(out: Report, name: str, draw: Any, path: Path) -> None:
 
 def _goodput(rec: RunRecord, out: Report) -> Account | None:
     """The run's account, written to ``goodput.json``; None without ``timeline.jsonl`` (a run from before it, or
-    an own loop's run): a timeline that cannot be read is named in the summary, the rest is still written."""
+    an own loop's run): a timeline that cannot be read is named in the summary, the rest is still written. A
+    ``goodput.json`` that cannot be written (a directory of that name) is the account's first note: the summary
+    and the plot still show it."""
     if not present(rec.run.path / "timeline.jsonl"):
         return None
     try:
-        return write_goodput(rec.run.path)
+        account = goodput(rec.run.path)
     except UserError as err:
         out.failed["goodput"] = error_text(err)
         log.warning("%s: no time account: %s", rec.run.path, out.failed["goodput"])
         return None
+    try:
+        write_goodput(rec.run.path, account)
+    except UserError as err:
+        account.notes.insert(0, f"{GOODPUT_FILE} was not written: {error_text(err)}")
+        log.warning("%s: %s", rec.run.path, account.notes[0])
+    return account
+
+
+def _goodput_line(account: Account) -> str:
+    """The summary's first line: the account's sentence, and its notes' number and first one (lines left out of
+    a damaged timeline, a ``goodput.json`` not written)."""
+    n = len(account.notes)
+    notes = f"; {n} note{'s' if n != 1 else ''}, the first: {short(account.notes[0], 200)}" if n else ""
+    return f"- **{md(goodput_sentence(account))}** (`steadytrain goodput RUN` for the causes{md(notes)})"
 
 
 def report_after_training(run: str | Path, stopped: str | None = None) -> Report | None:
@@ -250,7 +266,7 @@ def summary_markdown(rec: RunRecord, rep: Report, stopped: str | None, sources: 
     ]
     lines = [f"# Run {md(rec.name)}", ""]
     if rep.goodput is not None:
-        lines += [f"- **{md(goodput_sentence(rep.goodput))}** (`steadytrain goodput RUN` for the causes)"]
+        lines += [_goodput_line(rep.goodput)]
     lines += [f"- {md(plan_sentence(rec.plan))}", *_schedule_lines(rec)]
     lines += [f"- {x}" for x in (_stopped_line(rec, stopped, s["steps"]), _nonfinite_line(rec), _spike_line(rec)) if x]
     lines += [f"- {x}" for x in _resume_lines(rec)]
