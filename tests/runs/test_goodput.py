@@ -302,3 +302,20 @@ def test_the_trackers_get_the_account_at_the_last_step(tmp_path, monkeypatch):
     fake = _Tracker()
     end_run(Trackers(None, [fake]), RunDir(run), (None, "FINISHED"), None)
     assert fake.rows == [] and fake.status == "FINISHED"
+
+
+def test_a_timeline_that_is_a_fifo_is_never_waited_on_and_the_attempt_goes_on(tmp_path, caplog):
+    import os
+
+    run = _run(tmp_path)
+    os.mkfifo(run / "timeline.jsonl")  # nothing reads it: an append would wait forever
+    beat = Beat()
+    ac = AttemptClock(run, beat, started_at=time.time())
+    ac.begin(0, None, 1)
+    beat.enter("forward")
+    ac.step(False)
+    ac.interval(1)
+    ac.saved(1)
+    ac.end("finished", 1)
+    assert "this attempt's time is not accounted" in caplog.text
+    assert (run / "timeline.jsonl").is_fifo()

@@ -9,6 +9,7 @@ then differ by up to 3e-07 relative".
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,8 @@ __all__ = [
     "loss_divergence",
     "validation_losses",
 ]
+
+log = logging.getLogger("steadytrain.runs")
 
 CONFIG_IDENTITY = frozenset({"run.name", "run.dir"})
 """Config keys that name a run rather than change it: not compared."""
@@ -225,7 +228,9 @@ def goodput_side_by_side(a: Path, b: Path) -> dict[str, list[float | None]] | No
     for path in (a, b):
         try:
             accounts.append(goodput(path).to_dict())
-        except UserError:  # no timeline (an older run) or none readable: that side is empty
+        except UserError as err:  # no timeline (an older run) or none readable: that side is empty, said why
+            if (path / "timeline.jsonl").exists():
+                log.warning("%s: no time account: %s", path, one_line(str(err)))
             accounts.append(None)
     if accounts == [None, None]:
         return None

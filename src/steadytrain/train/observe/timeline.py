@@ -74,6 +74,8 @@ class AttemptClock:
     _epoch: float = field(default_factory=lambda: time.time())
     _perf: float = field(default_factory=lambda: time.perf_counter())
     _ended: bool = False
+    _off: bool = False
+    """``timeline.jsonl`` cannot be appended to (not a regular file): nothing is written."""
 
     def __post_init__(self) -> None:
         self.path = Path(self.path) / TIMELINE
@@ -83,8 +85,9 @@ class AttemptClock:
         """The attempt's first line: written when its first step begins (what came before is its startup)."""
         try:
             seal(self.path)
-        except OSError as err:
-            log.warning("%s: %s", self.path, err)
+        except OSError as err:  # a FIFO, a directory: never waited on; this attempt's time is not accounted
+            log.warning("%s: %s: this attempt's time is not accounted (move it away)", self.path, err)
+            self._off = True
         now = self.beat.totals()
         for phase, total in now.items():  # a restore, an evaluation before the first step: their own causes
             if phase != "start":
@@ -176,6 +179,8 @@ class AttemptClock:
         self.seconds[cause] = self.seconds.get(cause, 0.0) + seconds
 
     def _write(self, event: str, step: int, extra: dict[str, Any], *, sync: bool, hang_s: float | None = None) -> None:
+        if self._off:
+            return
         line = {"attempt": self.name, "event": event, "t": round(self._wall(), 3), "step": step} | extra
         line["seconds"] = self.account(hang_s)
         try:
