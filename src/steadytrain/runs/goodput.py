@@ -227,10 +227,12 @@ def goodput_lines(account: Account) -> list[str]:
     for cause in CAUSES:
         s = account.badput.get(cause, 0.0)
         lines.append(f"  {cause:<19}{duration(s):>14}{s / wall:>8.1%}")
-    lines += ["", f"  {'attempt':<9}{'steps':<15}{'wall':>14}{'goodput':>9}  ended"]
+    lines += ["", f"  {'attempt':<9}{'steps':<15}{'wall':>14}{'goodput':>9}  {'ended':<10}most lost to"]
     for a in account.attempts:
         steps = f"{a['steps'][0]}-{a['steps'][1]}"
         share = "-" if a["goodput"] is None else f"{a['goodput']:.1%}"
-        lines.append(f"  {a['attempt']:<9}{steps:<15}{duration(a['wall_s']):>14}{share:>9}  {a['how']}")
+        worst = sorted((c for c in CAUSES if a["badput"].get(c, 0.0) >= 0.05), key=lambda c: -a["badput"][c])[:3]
+        lost = ", ".join(f"{c} {duration(a['badput'][c])}" for c in worst) or "-"
+        lines.append(f"  {a['attempt']:<9}{steps:<15}{duration(a['wall_s']):>14}{share:>9}  {a['how']:<10}{lost}")
     lines += [f"note: {n}" for n in account.notes]
     return lines
