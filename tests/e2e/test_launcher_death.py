@@ -269,7 +269,7 @@ def test_a_kill_while_the_ranks_part_leaves_the_report_and_no_traceback(setup, t
     _wait(f"the end of every process the launcher had started {under}", lambda: not _alive(under), 30, log)
     assert "Traceback" not in log.read_text()
     plots = sorted(p.name for p in (run / "plots").iterdir())
-    assert plots == [f"{name}.png" for name in ("grad_norm", "layers", "loss", "lr", "throughput")]
+    assert plots == [f"{name}.png" for name in ("goodput", "grad_norm", "layers", "loss", "lr", "throughput")]
     summary = (run / "summary.md").read_text()
     assert "![loss](plots/loss.png)" in summary and "**Environment.**" in summary  # the report's, not the short one
     assert [row["step"] for row in metrics(run)] == [1, 2, 3, 4]
@@ -314,7 +314,7 @@ def test_a_signal_while_the_report_is_written_waits_for_it(setup, tmp_path, proc
     out = log.read_text()
     assert noted in out and "Traceback" not in out
     names = sorted(p.stem for p in (run / "plots").glob("*.png"))
-    assert names == ["grad_norm", "layers", "loss", "lr", "throughput"]  # every plot of the report, layers.jsonl's too
+    assert names == ["goodput", "grad_norm", "layers", "loss", "lr", "throughput"]  # every plot of the report
     assert "![loss](plots/loss.png)" in (run / "summary.md").read_text()
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 
+from steadytrain.train.job.stop import REQUEUE_EXIT_CODE
 from tests.dist_utils import free_port
 from tests.train_utils import EXE, metrics, write_text_dataset
 
@@ -353,8 +354,9 @@ def test_bad_input_says_the_fix_and_launches_nothing(slurm, args, env, words):
 
 
 _TORCHRUN = '''#!{python}
-"""torchrun's stand-in, for the script's handling of signals: on SIGTERM it takes 0.5 s (a checkpoint) and exits
-STANDIN_EXIT; it writes its parent's pid when it starts and when it exits (the script must still be waiting)."""
+"""torchrun's stand-in, for the script's handling of signals: on SIGTERM (or at once, with STANDIN_ALONE) it takes
+0.5 s (a checkpoint) and exits STANDIN_EXIT; it writes its parent's pid when it starts and when it exits (the script
+must still be waiting)."""
 import os, signal, sys, time
 from pathlib import Path
 out = Path(os.environ["STANDIN_DIR"])
@@ -364,6 +366,8 @@ def stop(signum, frame):
     sys.exit(int(os.environ["STANDIN_EXIT"]))
 signal.signal(signal.SIGTERM, stop)
 (out / "started").write_text(str(os.getppid()))
+if os.environ.get("STANDIN_ALONE"):
+    stop(None, None)
 while True:
     time.sleep(0.05)
 '''
@@ -372,9 +376,12 @@ while True:
 @pytest.mark.parametrize(
     ("sent", "standin_exit", "requeued"),
     [
-        ("usr1", 143, True),  # the time limit is near: stop with a checkpoint, then requeue
+        ("usr1", 1, True),  # the time limit is near: stop with a checkpoint, then requeue (torchrun exits 1)
         ("usr1", 0, False),  # the run ended by itself meanwhile: nothing to requeue
         ("term", 143, False),  # Slurm ends the job (scancel, preemption, time limit): wait for the checkpoint
+        ("term", REQUEUE_EXIT_CODE, False),  # ... and Slurm's own --requeue decides, not the run's code
+        (None, REQUEUE_EXIT_CODE, True),  # the run asks for it by itself ("preempted, requeue me"; a hang)
+        (None, 1, False),  # a failure: no requeue
     ],
 )
 def test_signals_stop_the_ranks_and_the_script_waits_for_them(slurm, tmp_path, sent, standin_exit, requeued):
@@ -382,14 +389,15 @@ def test_signals_stop_the_ranks_and_the_script_waits_for_them(slurm, tmp_path, s
     standin.write_text(_TORCHRUN.format(python=sys.executable))
     standin.chmod(0o755)
     out = tmp_path / "out.txt"
+    alone = {} if sent else {"STANDIN_ALONE": "1"}
     job = slurm.start(
-        "c.yaml", out=out, TORCHRUN=str(standin), STANDIN_DIR=str(tmp_path), STANDIN_EXIT=str(standin_exit)
+        "c.yaml", out=out, TORCHRUN=str(standin), STANDIN_DIR=str(tmp_path), STANDIN_EXIT=str(standin_exit), **alone
     )
     started = tmp_path / "started"
     _wait_for("the stand-in started", started.exists, job, out)
     if sent == "usr1":
         os.kill(job.pid, signal.SIGUSR1)  # --signal=B:USR1@300: to the batch script only
-    else:  # SIGTERM to the batch script and to every step
+    elif sent == "term":  # SIGTERM to the batch script and to every step
         os.kill(job.pid, signal.SIGTERM)
         for pid in slurm.steps():
             os.kill(pid, signal.SIGTERM)

@@ -36,7 +36,7 @@ def _quiet_training() -> None:
 
 @contextlib.contextmanager
 def _stopped_by_signal() -> Iterator[None]:
-    """A Ctrl-C (or SIGTERM) during repro or sweep: one line, and the signal's exit code (130/143)."""
+    """A Ctrl-C (or SIGTERM) during repro or sweep: one line, and the stop's exit code (130; 75 for SIGTERM)."""
     from steadytrain.train.job.loop import Interrupted
 
     try:

@@ -26,7 +26,8 @@ def _handoff(nproc: int, argv: list[str], max_restarts: int | None = None) -> No
     """``--nproc N``: run this command under torchrun on this node, in this process (never returns).
 
     A Ctrl-C reaches torchrun, which passes it to every rank: the ranks stop with a checkpoint and
-    say how to resume; torchrun's own report of the signal is not printed as a traceback. The ranks
+    say how to resume; torchrun's own report of the signal is not printed as a traceback. A SIGTERM (or
+    SIGUSR1, where torchrun passes it on) is a preemption: the same way, and exit 75 (requeue me). The ranks
     get this process's pid, and die with it (see :mod:`steadytrain.train.setup.launcher`). ``max_restarts``:
     torchrun restarts the ranks that many times after a failure, and each restart resumes (``--auto-resume``).
     """
@@ -34,6 +35,7 @@ def _handoff(nproc: int, argv: list[str], max_restarts: int | None = None) -> No
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
+    from steadytrain.train.job.stop import signal_exit_code
     from steadytrain.train.setup.launcher import LAUNCHER_PID
 
     rest, skip = [], False
@@ -52,11 +54,14 @@ def _handoff(nproc: int, argv: list[str], max_restarts: int | None = None) -> No
     # each restart's ranks meet in a store of their own: in torchrun's shared store the previous attempt's
     # process-group keys are still there, and a restarted rank can read a dead peer's address from them
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    # SIGUSR1 too: torchrun passes it to the ranks, a preemption as SIGTERM is (its --signals-to-handle, of recent
+    # torch versions; an older torchrun dies of it)
+    os.environ.setdefault("PET_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1")
     os.environ[LAUNCHER_PID] = str(os.getpid())  # the ranks' environment (torchrun's agent is this process)
     try:
         torchrun(["--standalone", f"--nproc-per-node={nproc}", *restarts, "-m", "steadytrain", *rest])
-    except SignalException as err:
-        raise click.exceptions.Exit(128 + int(err.sigval)) from None
+    except SignalException as err:  # the ranks had torchrun's shutdown timeout to stop: a preemption exits 75
+        raise click.exceptions.Exit(signal_exit_code(int(err.sigval))) from None
     except ChildFailedError as err:  # the ranks printed why; torchrun's summary is above
         _, failure = err.get_first_failure()
         if max_restarts:

@@ -159,7 +159,7 @@ def repro(run: str | Path, steps: int | None = None, *, out: str | Path | None =
     Raises:
         UserError: not a run directory, a run of the user's own loop (``loop.json``), no recorded metrics, the data
             is gone, ``out`` exists.
-        Interrupted: SIGINT/SIGTERM during the re-run (``exit_code`` 130/143): nothing is compared.
+        Interrupted: SIGINT/SIGTERM during the re-run (``exit_code`` 130/75): nothing is compared.
     """
     from steadytrain.train.job.loop import Interrupted, TrainingStopped, train
 

@@ -329,7 +329,7 @@ def sweep(cfg: Any, factors: list[float], steps: int, sweep_dir: str | Path) -> 
         UserError: factors a sweep cannot run (:func:`check_factors`), a trial config or LR that is not
             valid, a ``sweep_dir`` holding another sweep, a ``sweep_dir`` that cannot be a directory; all before
             the first trial trains.
-        Interrupted: SIGINT/SIGTERM during a trial (``exit_code`` 130/143): no further trial starts.
+        Interrupted: SIGINT/SIGTERM during a trial (``exit_code`` 130/75): no further trial starts.
     """
     from steadytrain.runs.plots import sweep_plot
 

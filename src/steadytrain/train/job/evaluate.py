@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,8 +80,19 @@ def _to(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
     return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
-def evaluate(model: nn.Module, evalset: EvalSet, info: DistInfo, *, precision: str = "fp32") -> EvalResult:
-    """The validation loss of ``model`` over ``evalset`` on every rank (a collective when distributed)."""
+def evaluate(
+    model: nn.Module,
+    evalset: EvalSet,
+    info: DistInfo,
+    *,
+    precision: str = "fp32",
+    stop: Callable[..., bool] | None = None,
+) -> EvalResult | None:
+    """The validation loss of ``model`` over ``evalset`` on every rank (a collective when distributed).
+
+    ``stop`` (every rank passes one or none): asked before each of the :attr:`EvalSet.forwards` passes (every rank as
+    often, a rank with fewer examples too) and once with ``last=True`` after them; when it says True on every rank
+    (:meth:`~steadytrain.train.job.stop.StopRequest.poll`) the evaluation ends there and None is returned."""
     net, lockstep = _callable(model)
     was_training = net.training
     names = getattr(evalset, "names", [])  # a mixture's sources: a loss sum and a count per source too
@@ -89,16 +101,23 @@ def evaluate(model: nn.Module, evalset: EvalSet, info: DistInfo, *, precision: s
     with torch.random.fork_rng(devices=devices), torch.no_grad():
         net.eval()
         try:
-            first = None
+            first, passes = None, 0
             for batch in evalset:
-                first = first or batch
+                if stop is not None and stop():
+                    return None
+                first, passes = first or batch, passes + 1
                 n = len(batch["index"])
                 with precision_context(info.device, precision):
                     losses = _losses(net(_to(batch, info.device)), n)
                 _count(totals, losses, batch["source"] if names else None)
-            for _ in range(evalset.forwards - evalset.real if lockstep else 0):  # the same forwards on every rank
-                with precision_context(info.device, precision):
-                    net(_to(first or evalset.pad_batch(), info.device))
+            for _ in range(evalset.forwards - passes if lockstep or stop is not None else 0):  # as many on every rank
+                if stop is not None and stop():
+                    return None
+                if lockstep:  # a forward is a collective
+                    with precision_context(info.device, precision):
+                        net(_to(first or evalset.pad_batch(), info.device))
+            if stop is not None and stop(last=True):
+                return None
         finally:
             net.train(was_training)
     if info.backend is not None:

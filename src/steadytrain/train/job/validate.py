@@ -37,11 +37,19 @@ def start_validation(job: Job) -> None:
 
 def validate(job: Job) -> bool:
     """Evaluate after this step (every rank), write its row (``val_time_s``: the pass's own time); whether a checkpoint
-    must keep it as the best. Its time is set aside: the next step's ``step_s`` and ``items_per_s`` leave it out."""
+    must keep it as the best. Its time is set aside: the next step's ``step_s`` and ``items_per_s`` leave it out.
+    A preemption the ranks agree on during the pass abandons it: no row, and ``job.stop`` says stop."""
     job.beat.enter("eval")  # progress, however long it takes
     with job.metrics.aside("eval") as spent:
         # sums over every rank's slice of the held-out set: the loss of the whole set, equal on every world size
-        result = evaluate(job.model, job.validation.evalset, job.info, precision=job.cfg.precision)
+        result = evaluate(job.model, job.validation.evalset, job.info, precision=job.cfg.precision, stop=job.stop.poll)
+        if result is None:  # every rank agreed on a preemption in it: the stop follows at this step (the loop)
+            if job.info.is_main:
+                log.warning(
+                    "evaluation at step %d abandoned: %s; it is not part of the run's metrics",
+                    job.state.step, job.stop.name,
+                )  # fmt: skip
+            return False
         eval_s = spent()
         row = result.row(job.state.step) | {"val_time_s": round(eval_s, 3)}
         improved, stop = job.validation.record(result, job.state.step)

@@ -223,6 +223,10 @@ class RunConfig(Section):
     trackers: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(default_factory=lambda: ["tensorboard"])
     """Experiment trackers rank 0 mirrors ``metrics.jsonl``, the config and the environment to (``[]``: none);
     a tracker whose package is missing, or that fails, is one warning and the run goes on (see docs/trackers.md)."""
+    stop_deadline_s: float = Field(default=25.0, ge=1, le=3600, allow_inf_nan=False)
+    """Seconds from a preemption (SIGTERM, SIGUSR1) to the process's exit, whatever it is doing: within them it stops
+    with a checkpoint and exits 75 (requeue me); past them it exits 75 at once, the previous checkpoint the latest.
+    Below the scheduler's grace: Slurm's KillWait (30 s) or ``--signal``'s lead time (see docs/slurm.md)."""
     callbacks: list[str] | None = None
     """Your code at each step end, evaluation and checkpoint: ``[package.module:factory, ...]``, each factory
     returning an object with ``on_step_end(run)``, ``on_evaluate(run, row)``, ``on_checkpoint(run, step)``
