@@ -77,8 +77,8 @@ def _first_attempt(run: Path, clock: Clock) -> None:
 
 
 def _second_attempt(run: Path, clock: Clock) -> None:
-    """Started at 120 (a gap of 3.6 s), resumed at step 4: restore 2 s, startup 2.5 s, one step of 1 s, 0.5 s that
-    no cause claims, then its end at 126."""
+    """Started at 120 (a gap of 3.6 s), resumed at step 4: restore 2 s, startup 2.5 s, one step of 1 s, 0.5 s
+    waiting for the next batch, then its end at 126."""
     clock.at(121)
     beat = Beat()
     beat.enter("restore")
@@ -117,7 +117,7 @@ def test_two_attempts_by_arithmetic(tmp_path, monkeypatch):
     assert (first["wall_s"], first["how"], first["steps"]) == (pytest.approx(16.4), "killed", [0, 6])
     assert first["resumed_at"] is None
     assert second["badput"] == pytest.approx(
-        dict.fromkeys(CAUSES, 0.0) | {"startup": 2.5, "checkpoint_restore": 2.0, "restart_gap": 3.6, "other": 0.5}
+        dict.fromkeys(CAUSES, 0.0) | {"startup": 2.5, "checkpoint_restore": 2.0, "restart_gap": 3.6, "data_wait": 0.5}
     )
     assert (second["productive_s"], second["how"], second["resumed_at"]) == (pytest.approx(1.0), "finished", 4)
     assert second["wall_s"] == pytest.approx(3.6 + 6.0)  # the gap before it, then 120 to 126

@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 from torch.distributed.launcher.api import LaunchConfig
 
+from steadytrain.runs.goodput import goodput
 from steadytrain.train.job.stop import REQUEUE_EXIT_CODE
 from tests.dist_utils import free_port
 from tests.train_utils import EXE, evals, metrics, run_cli, sets, write_text_dataset
@@ -312,6 +313,16 @@ def test_a_stall_longer_than_the_deadline_exits_with_the_requeue_code_and_the_ch
     resumed = run_cli("train", "--run-dir", str(run), "--auto-resume", *items, PYTHONPATH=str(pkg))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert [r["step"] for r in metrics(run)] == list(range(1, 13))
+    # the time account: the stopped attempt wrote its last line before the deadline's exit; the stall (at least
+    # the 3 s deadline) is its data wait, and nothing trained past the checkpoint at 3 is lost
+    stopped, finished = goodput(run).to_dict()["attempts"]
+    assert (stopped["how"], stopped["steps"][1], finished["how"], finished["resumed_at"]) == (
+        "stopped",
+        3,
+        "finished",
+        3,
+    )
+    assert stopped["badput"]["data_wait"] >= 3.0 and stopped["badput"]["lost_progress"] == 0.0, stopped
 
 
 def test_a_signal_during_a_checkpoint_save_ends_the_run_with_that_checkpoint(tmp_path, setup):

@@ -34,6 +34,8 @@ log = logging.getLogger("steadytrain.train")
 
 _PHASES = {"start": "startup", "restore": "checkpoint_restore", "eval": "evaluation", "checkpoint": "checkpoint_save"}
 """Phases outside a step, and the cause their seconds go to."""
+_OPEN = _PHASES | {"data": "data_wait"}
+"""What a line counts of the time since the last step's end (a stop or a hang can come in the middle of a step)."""
 _EARLY = 20
 """Steps after the first whose median is a plain step (what a compiled first step costs beyond it is ``compile``)."""
 
@@ -155,15 +157,16 @@ class AttemptClock:
         self._write("end", step, {"how": how}, sync=True, hang_s=hang_s)
 
     def account(self, hang_s: float | None = None) -> dict[str, float]:
-        """The seconds by cause now: the last step's account, the phases outside a step since then, and the
-        carve-outs (``compile``, ``straggler``, ``lost_progress``) taken from ``train``."""
+        """The seconds by cause now: the last step's account, the phases outside a step since then and the wait for
+        data since then (a step under way is not trained yet: its other phases are no cause), and the carve-outs
+        (``compile``, ``straggler``, ``lost_progress``) taken from ``train``."""
         out = dict(self.seconds)
         now = self.beat.totals()
-        for phase, cause in _PHASES.items():
+        for phase, cause in _OPEN.items():
             out[cause] = out.get(cause, 0.0) + now.get(phase, 0.0) - self._last.get(phase, 0.0)
         if hang_s is not None:  # the hang's seconds are the open phase's last ones: counted once
             out["hang"] = hang_s
-            if (cause := _PHASES.get(self.beat.phase)) is not None:
+            if (cause := _OPEN.get(self.beat.phase)) is not None:
                 out[cause] = max(0.0, out[cause] - hang_s)
         if self.compiled and self._first is not None and self._early:
             out["compile"] = max(0.0, self._first - statistics.median(self._early))
