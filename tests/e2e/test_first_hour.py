@@ -85,6 +85,7 @@ BAD = {
     "plan": ["plan", "--micro-batch-size", "0", "--json"],
     "hangs": ["hangs", "{missing}", "--json"],
     "ranks": ["ranks", "{missing}", "--json"],
+    "goodput": ["goodput", "{missing}", "--json"],
     "triage": ["triage", "{missing}", "--step", "1", "--json"],
     "layers": ["layers", "{missing}", "--json"],
     "check-parallel": ["check-parallel", "{missing}", "--mesh", "tp=2", "--json"],

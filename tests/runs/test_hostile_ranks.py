@@ -172,7 +172,7 @@ def _fake_job(tmp_path: Path, log_every: int = 2, **over) -> SimpleNamespace:
     )
     cfg = SimpleNamespace(run=SimpleNamespace(log_every=log_every), distributed=SimpleNamespace(on_parity="warn"))
     base = {"info": info, "cfg": cfg, "beat": Beat(0), "state": SimpleNamespace(step=0),
-            "run": SimpleNamespace(path=tmp_path), "hosts": ["h0", "h1"]}  # fmt: skip
+            "run": SimpleNamespace(path=tmp_path), "hosts": ["h0", "h1"], "clock": None}  # fmt: skip
     return SimpleNamespace(**(base | over))
 
 

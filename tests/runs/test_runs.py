@@ -78,7 +78,7 @@ def test_report_command_redraws_the_plots_and_summary(run, tmp_path):
     (copy / "summary.md").unlink()
     proc = run_cli("report", str(copy))
     assert proc.returncode == 0, proc.stderr
-    assert {p.name for p in (copy / "plots").iterdir()} == {f"{n}.png" for n in PLOTS}
+    assert {p.name for p in (copy / "plots").iterdir()} == {f"{n}.png" for n in (*PLOTS, "goodput")}
     assert all(png_size(copy / "plots" / f"{n}.png") == (800, 450) for n in PLOTS)
     assert "effective batch 16" in (copy / "summary.md").read_text()
 
@@ -95,7 +95,7 @@ def test_report_marks_skipped_steps_and_names_a_plot_that_failed(run, tmp_path, 
 
     monkeypatch.setitem(report_module.PLOTS, "throughput", broken)
     rep = report_module.report(copy)
-    assert set(rep.plots) == {"loss", "lr", "grad_norm"} and set(rep.failed) == {"throughput"}
+    assert set(rep.plots) == {"loss", "lr", "grad_norm", "goodput"} and set(rep.failed) == {"throughput"}
     summary = (copy / "summary.md").read_text()
     assert "skipped (non-finite) steps | 1" in summary
     assert "the throughput plot could not be drawn: RuntimeError: no fonts" in summary
