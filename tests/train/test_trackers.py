@@ -158,6 +158,16 @@ def _layer_series(run: Path) -> dict[str, list[tuple[int, float]]]:
     return out
 
 
+def _goodput_series(run: Path) -> dict[str, list[tuple[int, float]]]:
+    """goodput.json as the trackers must hold it: ``goodput/*`` once, at the run's last step."""
+    account = json.loads((run / "goodput.json").read_text())
+    step = account["attempts"][-1]["steps"][1]
+    values = {"goodput/goodput": account["goodput"], "goodput/wall_s": account["wall_s"]}
+    values |= {"goodput/productive_s": account["productive_s"]}
+    values |= {f"goodput/{cause}_s": s for cause, s in account["badput"].items()}
+    return {k: [(step, v)] for k, v in values.items()}
+
+
 def _close(got: list[tuple[int, float]], want: list[tuple[int, float]], rel: float, what: str = "") -> None:
     """The same steps in the same order, the same values (``rel``: float32 for TensorBoard, float64 elsewhere)."""
     assert [s for s, _ in got] == [s for s, _ in want], what
@@ -189,6 +199,7 @@ def test_every_metrics_row_reaches_every_tracker_at_its_step(tracked):
     rows = _rows(tracked)
     assert {r["step"] for r in rows if "val_loss" in r} == {3, 6} and len(rows) == 8
     expected = _expected(rows) | _layer_series(tracked)  # each step's layer norms ride on its row
+    expected |= _goodput_series(tracked)  # and the time account at the end
     assert {"loss", "lr", "grad_norm", "items_per_s", "val_loss", "val_items", "skipped"} <= expected.keys()
     assert {"layers/blocks.0/grad_norm", "layers/head/update_ratio"} <= expected.keys()
 
@@ -269,7 +280,7 @@ def test_an_mlflow_file_store_receives_every_row(tmp_path, data, monkeypatch):
     state = json.loads((tmp_path / "run" / "trackers.json").read_text())
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # this process reads the store back
     got = _mlflow_metrics(MlflowClient(f"file://{store}"), state["mlflow"]["run_id"])
-    expected = _expected(rows) | _layer_series(tmp_path / "run")
+    expected = _expected(rows) | _layer_series(tmp_path / "run") | _goodput_series(tmp_path / "run")
     assert got.keys() == expected.keys() and "val_loss" in got and "layers/head/grad_norm" in got
     for key, pairs in expected.items():
         _close(got[key], pairs, 1e-12, what=key)
