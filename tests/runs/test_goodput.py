@@ -157,12 +157,18 @@ def test_a_rollback_loses_the_steps_since_its_checkpoint_once(tmp_path, monkeypa
     _adds_up(a)
 
 
-def test_a_hang_is_its_own_cause_and_the_unfinished_step_is_other(tmp_path, monkeypatch):
+def _begun(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Clock, Beat, AttemptClock]:
+    """An attempt of 2 ranks started at 10 s, its first step beginning at once (no startup)."""
     run = _run(tmp_path)
     clock = Clock(monkeypatch, 10.0)
     beat = Beat()
     ac = AttemptClock(run, beat, started_at=10.0)
     ac.begin(0, None, 2)
+    return run, clock, beat, ac
+
+
+def test_a_hang_is_its_own_cause_and_the_unfinished_step_is_other(tmp_path, monkeypatch):
+    run, clock, beat, ac = _begun(tmp_path, monkeypatch)
     _steps(clock, beat, ac, [(0.0, 1.0, False)])
     beat.enter("forward")
     clock.at(clock.now + 1.0)  # step 2's forward, then waiting in its all-reduce for 3 s of no progress
@@ -176,11 +182,7 @@ def test_a_hang_is_its_own_cause_and_the_unfinished_step_is_other(tmp_path, monk
 
 
 def test_a_hang_during_a_save_is_not_counted_twice(tmp_path, monkeypatch):
-    run = _run(tmp_path)
-    clock = Clock(monkeypatch, 10.0)
-    beat = Beat()
-    ac = AttemptClock(run, beat, started_at=10.0)
-    ac.begin(0, None, 2)
+    run, clock, beat, ac = _begun(tmp_path, monkeypatch)
     beat.enter("checkpoint")
     clock.at(clock.now + 5.0)  # 2 s saving, then 3 s of no progress
     ac.end("hang", 0, hang_s=3.0)
