@@ -239,12 +239,18 @@ def test_a_wall_clock_that_goes_back_between_attempts_is_noted_not_negative(tmp_
     _adds_up(got.to_dict())
 
 
-def test_the_command_prints_the_account_and_refuses_what_it_cannot_read(tmp_path, monkeypatch):
+def _two_attempts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A run of the two attempts above, written on the fake clock (the real clock back afterwards)."""
     run = _run(tmp_path)
     clock = Clock(monkeypatch, 0.0)
     _first_attempt(run, clock)
     _second_attempt(run, clock)
     monkeypatch.undo()
+    return run
+
+
+def test_the_command_prints_the_account_and_refuses_what_it_cannot_read(tmp_path, monkeypatch):
+    run = _two_attempts(tmp_path, monkeypatch)
     out = in_process("goodput", str(run))
     assert out.returncode == 0, out.stderr
     first = out.stdout.splitlines()[0]
@@ -286,11 +292,7 @@ def test_the_trackers_get_the_account_at_the_last_step(tmp_path, monkeypatch):
     from steadytrain.runs.goodput import write_goodput
     from steadytrain.train.observe.trackers import Trackers, end_run
 
-    run = _run(tmp_path)
-    clock = Clock(monkeypatch, 0.0)
-    _first_attempt(run, clock)
-    _second_attempt(run, clock)
-    monkeypatch.undo()
+    run = _two_attempts(tmp_path, monkeypatch)
     fake = _Tracker()
     end_run(Trackers(None, [fake]), RunDir(run), (None, "FINISHED"), lambda path, stopped: write_goodput(path))
     (row,) = fake.rows
