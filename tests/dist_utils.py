@@ -11,6 +11,7 @@ instead of a torchrun launch per command.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import random
@@ -92,11 +93,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _cli_entry(rank: int, world_size: int, tmp: str, commands: list[list[str]], ports: list[int], env: dict) -> None:
+def _cli_entry(
+    rank: int, world_size: int, tmp: str, commands: list[list[str]], ports: list[int], env: dict, forked: bool = False
+) -> None:
     from tests.cli_utils import in_process
 
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
+    if forked:  # a fork of the test process: start from what a new process holds, not what the tests left
+        import numpy as np
+        import torch._dynamo as dynamo
+
+        dynamo.reset()  # nothing compiled yet
+        torch.seed()  # each rank's own unseeded streams
+        random.seed()
+        np.random.seed()
     for i, (argv, port) in enumerate(zip(commands, ports, strict=True)):
         if callable(argv):  # a step between two commands (e.g. a checkpoint removed): rank 0 takes it, all wait
             marker = Path(tmp) / f"cli-{i}.done"
@@ -117,18 +128,31 @@ def _cli_entry(rank: int, world_size: int, tmp: str, commands: list[list[str]], 
 
 
 def cli_on_ranks(
-    tmp_path: Path, commands: list[list[str]], world_size: int = 2, **env: str
+    tmp_path: Path, commands: list[list[str]], world_size: int = 2, *, start_method: str = "spawn", **env: str
 ) -> list[list[subprocess.CompletedProcess]]:
     """Run each of ``commands`` (``steadytrain`` argv lists) on the same ``world_size`` spawned ranks, in order;
     ``result[i][rank]`` is command ``i``'s exit code, stdout and stderr on that rank (None for a step). ``env`` is
     set for every command (as ``torchrun`` passes its environment on). A command may be a picklable callable
     (``functools.partial`` of a module-level function): a step between commands that rank 0 takes while the others
-    wait, such as removing a run's last checkpoint before a resume."""
+    wait, such as removing a run's last checkpoint before a resume.
+
+    ``start_method="fork"``: each rank is a fork of this process (as :mod:`tests.loop.forked` runs a loop), which
+    has imported torch and steadytrain already: a new interpreter's imports (seconds per rank, 4 ranks sharing 2
+    cores) are saved where the fresh interpreter is not what the test is about. The rank starts with Dynamo's
+    caches empty and random streams of its own, as a new process does; what the ranks run is the same."""
     out = tmp_path / "cli-ranks"
     out.mkdir(parents=True, exist_ok=True)
     commands = [argv if callable(argv) else [str(a) for a in argv] for argv in commands]
     ports = [free_port() for _ in commands]
-    mp.spawn(_cli_entry, args=(world_size, str(out), commands, ports, env), nprocs=world_size, join=True)
+    forked = start_method == "fork"
+    if forked:
+        gc.freeze()  # a fork's collector leaves what this process holds alone: no pauses over it, no copies of it
+    try:
+        args = (world_size, str(out), commands, ports, env, forked)
+        mp.start_processes(_cli_entry, args=args, nprocs=world_size, join=True, start_method=start_method)
+    finally:
+        if forked:
+            gc.unfreeze()
     results = []
     for i, argv in enumerate(commands):
         if callable(argv):

@@ -1,5 +1,5 @@
 """Runs on 4 gloo ranks laid out on a ``DeviceMesh`` that :mod:`tests.train.test_mesh` checks against one rank, all
-trained on ONE spawned job of 4 ranks (``train_mesh``): ``{shard: 2, tp: 2}`` and ``{replicate: 2, shard: 2}`` of one
+trained on ONE job of 4 ranks (``train_mesh``): ``{shard: 2, tp: 2}`` and ``{replicate: 2, shard: 2}`` of one
 config, the first one's checkpoint resumed on ``{shard: 4}`` and on ``{replicate: 2, shard: 2}``, a bf16 and compiled
 run, a run whose model returns NaN losses on rank 1 at one step (the ranks must agree to skip it), and an HSDP run
 whose rank 3 corrupts its replica of a shard (the parity check must name it and repair it from rank 1).
@@ -12,6 +12,7 @@ norm bug: the forward is right, the norm's gradient is one rank's part of it).
 
 from __future__ import annotations
 
+import importlib
 import json
 import shutil
 from dataclasses import dataclass
@@ -158,7 +159,7 @@ class MeshRuns:
 
 
 def train_mesh(root: Path) -> MeshRuns:
-    """Every run of the module's docstring on one spawned job of 4 gloo ranks, in order."""
+    """Every run of the module's docstring on one job of 4 gloo ranks, in order."""
     pkg = root / "pkg"
     pkg.mkdir()
     (pkg / "planted_tp.py").write_text(PLANTED_TP)
@@ -177,5 +178,9 @@ def train_mesh(root: Path) -> MeshRuns:
     for name, extra in EXTRA.items():
         commands.append(["train", "--run-dir", runs[name], *sets(*base, *extra)])
         names.append(name)
-    done = cli_on_ranks(root, commands, world_size=4, PYTHONPATH=str(pkg), HF_HUB_OFFLINE="1")
+    # The ranks are forks of this process: 4 ranks on 2 cores would spend ~25 s of CPU importing anew what it has
+    # imported. What they would each import later (the compiler, transformers' Llama) is imported here, once.
+    for module in ("torch._inductor.compile_fx", "transformers.models.llama.modeling_llama"):
+        importlib.import_module(module)
+    done = cli_on_ranks(root, commands, world_size=4, start_method="fork", PYTHONPATH=str(pkg), HF_HUB_OFFLINE="1")
     return MeshRuns(pkg, data, runs, {n: d for n, d in zip(names, done, strict=True) if d is not None})

@@ -26,14 +26,15 @@ pytestmark = pytest.mark.distributed
 
 _MODEL = bigram_module(
     doc="""A bigram LM. On rank 1, forward number GATE_AT writes GATE_DIR/reached (its pid) and waits there for ever
-    (a node about to be lost); with SLOW_S every forward sleeps that long (a run long enough for a node to join).""",
+    (a node about to be lost); with SLOW_S every forward of a rank alone sleeps that long (a run long enough for a node
+    to join; once it has, the job runs at full speed).""",
     hook="""
     gate = os.environ.get("GATE_DIR")
     if gate and os.environ.get("RANK") == "1" and self.calls == int(os.environ["GATE_AT"]):
         Path(gate, "reached").write_text(str(os.getpid()))
         while True:
             time.sleep(0.05)
-    if os.environ.get("SLOW_S"):
+    if os.environ.get("SLOW_S") and os.environ.get("WORLD_SIZE") == "1":
         time.sleep(float(os.environ["SLOW_S"]))
     """,
 )
@@ -71,12 +72,18 @@ def job(tmp_path_factory) -> dict:
     return {"pkg": pkg, "config": config, "ref": ref}
 
 
+_RDZV_CONF = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3"
+"""The c10d rendezvous' own settings, shortened for one machine: a round closes 1 s after its last join (30 s by
+default), and a node whose agent sent no heartbeat for 3 s (15 s by default: 5 s apart, 3 missed) is dead, so the
+survivor's next round does not wait 15 s for the killed node to expire."""
+
+
 def _agent(job: dict, run: Path, port: int, out: Path, **env: str) -> subprocess.Popen:
     """One torchrun agent of the elastic job (the exact line of docs/training.md, on this machine)."""
     argv = [
         sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc-per-node=1",
         "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=elastic-test", "--max-restarts=3",
-        "--rdzv-conf=last_call_timeout=1", "-m", "steadytrain", "train", str(job["config"]), "--run-dir", str(run),
+        f"--rdzv-conf={_RDZV_CONF}", "-m", "steadytrain", "train", str(job["config"]), "--run-dir", str(run),
         "--auto-resume",
     ]  # fmt: skip
     full = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}

@@ -28,6 +28,8 @@ from tests.dist_utils import free_port
 from tests.train.test_trackers import (
     _close,
     _expected,
+    _fresh_wandb,
+    _goodput_series,
     _items,
     _layer_series,
     _mlflow_metrics,
@@ -64,8 +66,10 @@ def mlflow_server(tmp_path) -> Iterator[str]:
     serve = ["--host", "127.0.0.1", "--port", str(port), "--workers", "1"]
     cmd = [sys.executable, "-m", "mlflow", "server", *serve, *store]
     log = where / "server.log"
+    # MLflow's job runner (GenAI scorer jobs: a process of its own beside the server's) is no part of tracking
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
     with log.open("wb") as out:
-        proc = subprocess.Popen(cmd, cwd=where, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(cmd, cwd=where, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     try:
         uri, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 120
         while not _answers(f"{uri}/health"):
@@ -113,7 +117,7 @@ def test_an_mlflow_tracking_server_receives_every_row(tmp_path, data, mlflow_ser
     assert state["mlflow"]["uri"] == mlflow_server
     client = MlflowClient(mlflow_server)
     run_id = state["mlflow"]["run_id"]
-    got, expected = _mlflow_metrics(client, run_id), _expected(rows) | _layer_series(run)
+    got, expected = _mlflow_metrics(client, run_id), _expected(rows) | _layer_series(run) | _goodput_series(run)
     assert got.keys() == expected.keys() and {"loss", "lr", "grad_norm", "val_loss", "skipped"} <= got.keys()
     assert "layers/blocks.0/update_ratio" in got  # through the server too
     for key, pairs in expected.items():  # every row's every number, at its step
@@ -125,30 +129,35 @@ def test_an_mlflow_tracking_server_receives_every_row(tmp_path, data, mlflow_ser
 
 def test_wandb_gets_bounded_waits_and_a_users_own_setting_wins(tmp_path, monkeypatch):
     """The bounds reach W&B's own resolved settings (a misspelt or unknown setting would be dropped silently);
-    ``finish_timeout`` bounds ``run.finish()``, which otherwise waits for a dead server forever."""
-    import wandb
-
+    ``finish_timeout`` bounds ``run.finish()``, which otherwise waits for a dead server forever. Without the user's
+    ``WANDB_INIT_TIMEOUT``, steadytrain's 20 s bound is W&B's (the unreachable-server test below sets its own)."""
     for key in _WANDB_LIMITS_ENV:
         monkeypatch.delenv(key, raising=False)
     for key, value in _offline(tmp_path, str(tmp_path / "wandb-dir")).items():
         monkeypatch.setenv(key, value)
     (tmp_path / "wandb-dir").mkdir()
-    monkeypatch.setenv("WANDB_INIT_TIMEOUT", "33")  # the user's own
-    wandb.teardown()  # W&B reads the environment once per process: start from it
-    tracker = Wandb(tmp_path / "run")
-    try:
-        tracker.start({"a": 1}, {}, 0)
-        settings = tracker.handle.settings
-        assert settings.init_timeout == 33 and settings.finish_timeout == 60 and settings.finish_timeout_raises
-    finally:
-        with contextlib.suppress(Exception):
-            tracker.finish([], "FINISHED")
-        wandb.teardown()
+    for users, init_timeout in (("33", 33), (None, 20)):
+        if users is None:
+            monkeypatch.delenv("WANDB_INIT_TIMEOUT")
+        else:
+            monkeypatch.setenv("WANDB_INIT_TIMEOUT", users)  # the user's own
+        tracker = Wandb(tmp_path / f"run-{users}")
+        with _fresh_wandb():  # W&B reads the environment once per process: start from it
+            try:
+                tracker.start({"a": 1}, {}, 0)
+                settings = tracker.handle.settings
+                assert settings.init_timeout == init_timeout, users
+                assert settings.finish_timeout == 60 and settings.finish_timeout_raises
+            finally:
+                with contextlib.suppress(Exception):
+                    tracker.finish([], "FINISHED")
 
 
 @pytest.mark.timeout(120)  # W&B's own default waits 90 s for the server, plus its login check
 def test_an_unreachable_wandb_server_is_one_warning_and_the_run_goes_on(tmp_path, data, monkeypatch):
-    for key in _WANDB_LIMITS_ENV:  # steadytrain's bounds, not a user's
+    """W&B's wait for the server is set as a user sets it (``WANDB_INIT_TIMEOUT``, which wins over steadytrain's 20 s:
+    the test above) to 3 s: the same refusal after the same retries, 17 s sooner."""
+    for key in _WANDB_LIMITS_ENV:  # steadytrain's bounds at the end of the run, not a user's
         monkeypatch.delenv(key, raising=False)
     wandb_dir = tmp_path / "wandb-dir"
     wandb_dir.mkdir()
@@ -157,10 +166,15 @@ def test_an_unreachable_wandb_server_is_one_warning_and_the_run_goes_on(tmp_path
         "WANDB_MODE": "online",
         "WANDB_BASE_URL": f"http://127.0.0.1:{free_port()}",  # nobody serves it: connection refused
         "WANDB_API_KEY": "x" * 40,  # a well-formed key, so that W&B goes to the server rather than asking for one
+        "WANDB_INIT_TIMEOUT": "3",
+        # W&B's look-up of the key's account before wandb.init (wandb.Settings.x_disable_viewer): twice 5 s of silent
+        # retries against the dead server, never an error; the refusal asserted below is wandb.init's own request's
+        "WANDB__DISABLE_VIEWER": "true",
     }
     run = tmp_path / "run"
     items = _items(data, "run.max_steps=4", "eval.every_steps=2", "run.trackers=[wandb]")
-    proc = run_cli("train", "--run-dir", str(run), *sets(*items), timeout=95, **env)
+    with _fresh_wandb():
+        proc = run_cli("train", "--run-dir", str(run), *sets(*items), timeout=95, **env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     warnings = [line for line in proc.stderr.splitlines() if "tracker wandb" in line]
     assert len(warnings) == 1 and "start failed" in warnings[0], proc.stderr[-3000:]

@@ -1,6 +1,6 @@
 """HSDP and FSDP2 x tensor parallel on a ``DeviceMesh`` (``distributed.mesh``) train like one rank.
 
-The 4-rank runs of :mod:`tests.mesh` are trained once, on one spawned job (``mesh`` fixture); each is checked
+The 4-rank runs of :mod:`tests.mesh` are trained once, on one job (``mesh`` fixture); each is checked
 against the same config trained on ONE rank in this process (no mesh, no tensor parallel, no sharding): per-step
 loss, clipped global gradient norm, validation loss and per-layer norms within 1e-5 relative; resumes on other
 meshes (and on one rank) continue to the same losses; ``export`` gives the 1-rank tensors; every example is counted

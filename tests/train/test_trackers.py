@@ -9,6 +9,7 @@ as flat keys; `summary.md` and the plots arrive as artifacts. A tracker that fai
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import subprocess
@@ -61,14 +62,36 @@ def _items(data: Path, *extra: str) -> list[str]:
 
 
 def _train(
-    run: Path, items: list[str], *args: str, code: int = 0, process: bool = False, **env: str
+    run: Path, items: list[str], *args: str, code: int = 0, with_wandb: bool = False, **env: str
 ) -> subprocess.CompletedProcess:
-    """A run; in its own process for a crash (``code`` 1: it keeps its traceback, as a user's crashed run does) and
-    for W&B (its service process and settings are process-wide state that a real run starts fresh)."""
-    run_one = launched if process or code == 1 or any("wandb" in item for item in items) else run_cli
-    proc = run_one("train", *args, *(("--run-dir", str(run)) if not args else ()), *sets(*items), **env)
+    """A run; in its own process for a crash (``code`` 1: it keeps its traceback, as a user's crashed run does);
+    with W&B (``with_wandb``: a resume whose config names it) in this process, as :func:`_fresh_wandb` isolates it."""
+    argv = ("train", *args, *(("--run-dir", str(run)) if not args else ()), *sets(*items))
+    if code == 1:
+        proc = launched(*argv, **env)
+    elif with_wandb or any("wandb" in item for item in items):
+        with _fresh_wandb():
+            proc = run_cli(*argv, **env)
+    else:
+        proc = run_cli(*argv, **env)
     assert proc.returncode == code, proc.stderr[-3000:]
     return proc
+
+
+@contextlib.contextmanager
+def _fresh_wandb():
+    """W&B's process-wide state as a new process holds it, before and after: its service process and settings (read
+    from the environment once, at its first run) torn down, and ``sys.exit`` and ``sys.excepthook``, which a W&B run
+    wraps and leaves wrapped, put back."""
+    import wandb
+
+    hooks = sys.exit, sys.excepthook
+    wandb.teardown()
+    try:
+        yield
+    finally:
+        wandb.teardown()
+        sys.exit, sys.excepthook = hooks
 
 
 def _offline(tmp: Path, wandb_dir: str | None) -> dict[str, str]:
@@ -317,7 +340,7 @@ def test_resume_after_a_crash_continues_the_same_runs_and_logs_each_step_once(tm
     assert [r["step"] for r in first if "val_loss" not in r] == [1, 2, 3, 4, 5, 6]
     ids = json.loads((run / "trackers.json").read_text())
 
-    _train(run, ["run.max_steps=16"], "--resume", str(run), process=True, **env)
+    _train(run, ["run.max_steps=16"], "--resume", str(run), with_wandb=True, **env)
     rows = _rows(run)
     assert [r["step"] for r in rows if "val_loss" not in r] == list(range(1, 17))
     state = json.loads((run / "trackers.json").read_text())

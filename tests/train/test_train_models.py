@@ -7,9 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,22 +14,13 @@ import pyarrow as pa
 import pytest
 
 from steadytrain.data import DatasetWriter, global_batch
-
-EXE = str(Path(sys.executable).with_name("steadytrain"))
-
-
-def sets(*items: str) -> list[str]:
-    return [x for item in items for x in ("--set", item)]
+from tests.cli_utils import in_process
+from tests.train_utils import sets
 
 
 def train(run_dir: Path, *items: str, env: dict | None = None) -> list[dict]:
-    proc = subprocess.run(
-        [EXE, "train", "--run-dir", str(run_dir), *sets(*items)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
-    )
+    """``steadytrain train`` in this process (:func:`~tests.cli_utils.in_process`): its training rows."""
+    proc = in_process("train", "--run-dir", str(run_dir), *sets(*items), **(env or {}))
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [r for r in rows if "val_loss" not in r]  # the training rows (a user's dataset is validated too)
@@ -116,13 +104,7 @@ def test_the_contract_is_checked_before_anything_is_written(tmp_path, tabular, o
     run_dir = tmp_path / "run"
     args = [*sets("model.name=tabular", f"data.path={tabular}", "run.max_steps=2", f"env.contract={contract}")]
     args += sets(f"env.on_violation={on_violation}", "batch.micro_batch_size=32", "batch.global_batch_size=64")
-    proc = subprocess.run(
-        [EXE, "train", "--run-dir", str(run_dir), *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    proc = in_process("train", "--run-dir", str(run_dir), *args)
     if on_violation == "fail":
         assert proc.returncode == 2 and "Python" in proc.stderr and "Traceback" not in proc.stderr
         assert len(proc.stderr.strip().splitlines()) == 1
