@@ -165,8 +165,8 @@ def _build(cfg: TrainConfig, info: DistInfo, where: _Where, signals: contextlib.
     job.watchdog = start_watchdog(cfg.distributed.watchdog_s, info, run.path, job.beat)
     if info.is_main:  # the attempt's account, from its first step on (timeline.jsonl)
         job.clock = start_clock(run.path, beat, job.metrics, job.watchdog, step=state.step, resumed=bool(where.resume),
-                                world_size=info.world_size, compiled=job.compiled is not None)  # fmt: skip
-        job.stop.on_deadline = lambda: job.clock.end("stopped", job.state.step)  # the attempt's last line first
+                                world_size=info.world_size, compiled=job.compiled is not None,
+                                stop=job.stop)  # fmt: skip
     job.callbacks, job.view = callbacks, JobRun(job)
     if spikes.decides:  # the flag is read with the gradient norm, in the step's one host read
         p.acc.veto = lambda norm: spikes.veto(job.state.step + 1, job.step.loss / job.step.micros, norm)

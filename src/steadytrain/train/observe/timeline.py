@@ -196,13 +196,16 @@ class AttemptClock:
 
 def start_clock(
     path: Path, beat: Beat, metrics: Any, watchdog: Any, *, step: int, resumed: bool, world_size: int,
-    compiled: bool = False,
+    compiled: bool = False, stop: Any = None,
 ) -> AttemptClock:  # fmt: skip
     """Rank 0, the attempt's first step about to begin: its clock, told each step by ``metrics`` (a
     :class:`~steadytrain.train.observe.metrics.MetricsLog`), its start line written, and its last line written by
-    the hang ``watchdog`` (None: none) when it ends the attempt."""
+    whatever ends the attempt from another thread: the hang ``watchdog`` and a preemption's deadline (``stop``, a
+    :class:`~steadytrain.train.job.stop.StopRequest`); None: none."""
     clock = metrics.clock = AttemptClock(path, beat, compiled=compiled)
     clock.begin(step, step if resumed else None, world_size)
     if watchdog is not None:
         watchdog.on_hang = lambda seconds: clock.end("hang", beat.step, hang_s=seconds)
+    if stop is not None:
+        stop.on_deadline = lambda: clock.end("stopped", beat.step)
     return clock

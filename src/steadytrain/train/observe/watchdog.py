@@ -134,7 +134,8 @@ class Watchdog:
 
     # -- the thread -----------------------------------------------------------------------------------------------
     def _watch(self) -> None:
-        published, refresh, seen, last_change, first = None, 0, None, time.monotonic(), self.beat.step
+        published, refresh, seen, first = None, 0, None, self.beat.step
+        self._last_change = time.monotonic()
         try:
             while not self._stop.wait(self.poll_s):
                 step, phase = self.beat.step, self.beat.phase
@@ -147,9 +148,8 @@ class Watchdog:
                 if self.rank == 0:
                     now_seen = self._beats()
                     if now_seen != seen:
-                        seen, last_change = now_seen, time.monotonic()
-                        self._last_change = last_change
-                    elif seen is not None and time.monotonic() - last_change > self.timeout_s:
+                        seen, self._last_change = now_seen, time.monotonic()
+                    elif seen is not None and time.monotonic() - self._last_change > self.timeout_s:
                         self.store.set("hang", str(min(s for s, _ in seen) + 1))
                 if self.store.check(["hang"]):
                     self._hung(int(self.store.get("hang")))
